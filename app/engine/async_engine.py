@@ -1,0 +1,201 @@
+"""AsyncEngine: one background thread drives LLMEngine.step(); asyncio code talks to it
+through generate() (an async iterator of outputs) and abort().
+
+This is the one seam between the web and the engine. The engine's state is touched only
+by its thread: adds and aborts travel through a queue and are applied between steps, so
+an abort frees the request's blocks before the next step runs. Outputs travel back with
+one `call_soon_threadsafe` per step. A consumer that reads slower than tokens come gets
+them merged into one output rather than a growing backlog of small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from app.engine.engine import EngineStats, LLMEngine, RequestOutput
+from app.engine.request import FinishReason, Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    """Thread-backed asynchronous front of an LLMEngine."""
+
+    def __init__(self, engine: LLMEngine, idle_check_s: float = 0.0) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._idle_check_s = idle_check_s  # > 0: check_integrity() when idle (debug)
+        self.error: BaseException | None = None  # set if the loop itself died
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="parley-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort everything, stop the loop and wait for its thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes. Leaving the loop early (break,
+        cancellation, an exception in the consumer) aborts the request.
+
+        Raises ValueError for invalid input (before anything is queued) and
+        EngineDeadError when the loop is not running.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        req = self.engine.make_request(prompt, params, request_id)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if req.request_id in self._streams:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            self._streams[req.request_id] = stream
+        self._inbox.put(("add", req))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                while not isinstance(item, BaseException) and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        item = later
+                        break
+                    item = item.merge(later)
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._streams_lock:
+                self._streams.pop(req.request_id, None)
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed before the next step. Thread-safe."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    if self._idle_check_s:
+                        self.engine.check_integrity()
+                    self._wake.wait(self._idle_check_s or None)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # one bad step must not kill the server
+                    log.exception("engine step failed; failing the requests in flight")
+                    outputs = self._fail_all(exc)
+                self._deliver(outputs)
+        except BaseException as exc:  # pragma: no cover - the loop itself is broken
+            log.exception("engine loop died")
+            self.error = exc
+            self._fail_streams(EngineDeadError(f"engine loop died: {exc!r}"))
+            raise
+        finally:
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+            self._fail_streams(EngineDeadError("the engine stopped"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                assert isinstance(payload, Request)
+                try:
+                    self.engine.add(payload)
+                except ValueError as exc:
+                    self._deliver_error(payload.request_id, exc)
+            elif kind == "abort":
+                self.engine.abort(str(payload))
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        for o in outputs:
+            o.finish_reason = FinishReason.ERROR
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._streams_lock:
+            for o in outputs:
+                stream = self._streams.get(o.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, o))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        with self._streams_lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self._deliver_error(request_id, exc)
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.queue.put_nowait(output)

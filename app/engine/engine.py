@@ -1,0 +1,284 @@
+"""LLMEngine: the synchronous core. add_request / abort / step.
+
+    step():  schedule -> run the model -> update counters -> stop checks -> outputs
+
+Everything here runs on one thread; AsyncEngine drives it from a background thread and
+LLM (offline) from a plain loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from app.config import EngineConfig
+from app.engine.block_pool import BlockPool
+from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.kv_cache import KVCache
+from app.engine.kv_manager import KVCacheManager
+from app.engine.model_runner import ModelRunner
+from app.engine.request import FinishReason, Request, SamplingParams, Timings
+from app.engine.sampler import Sampler
+from app.engine.scheduler import Scheduler
+from app.model.llama import LlamaModel
+from app.model.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. Text and token ids are deltas."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    timings: Timings
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """Fold a later output of the same request into this one (a slow reader gets
+        one bigger delta instead of a backlog)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            new_text=self.new_text + later.new_text,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            prompt_tokens=later.prompt_tokens,
+            cached_tokens=later.cached_tokens,
+            completion_tokens=later.completion_tokens,
+            timings=later.timings,
+        )
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics, logs and benchmarks."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of blocks held
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    steps: int
+
+
+class LLMEngine:
+    """Owns the model, the KV cache and the scheduler."""
+
+    def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = model if model is not None else load_model(config.model)
+        self.model_name = loaded.name
+        self.arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.max_model_len = self._resolve_max_model_len(loaded)
+        dtype = getattr(torch, config.model.dtype)
+        self.model = LlamaModel.from_weights(loaded.arch, loaded.weights, self.max_model_len)
+        self.model.to(config.device)
+        self.kv_cache = KVCache(loaded.arch, config.cache, dtype, config.device)
+        self.kv = KVCacheManager(
+            BlockPool(self.kv_cache.num_blocks),
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        log.info(
+            "engine ready: %s, max_model_len %d, KV cache %d blocks x %d tokens (%.0f MiB)",
+            self.model_name,
+            self.max_model_len,
+            self.kv.pool.num_blocks,
+            config.cache.block_size,
+            self.kv_cache.nbytes / 2**20,
+        )
+
+    def _resolve_max_model_len(self, loaded: LoadedModel) -> int:
+        limit = loaded.arch.max_position_embeddings
+        if loaded.arch.sliding_window:
+            # Attention here is full, not windowed: equal to the model's only within it.
+            limit = min(limit, loaded.arch.sliding_window)
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds the model's limit of {limit}")
+        return asked or limit
+
+    # -- requests ------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and tokenize; touches no engine state, so any thread may call it.
+        Raises ValueError with a message fit for the user."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            token_ids = list(prompt)
+            vocab = self.arch.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {n} tokens long; this model's context limit is "
+                f"{self.max_model_len} tokens, including at least one generated token"
+            )
+        capacity = self.kv.pool.num_blocks * self.kv.block_size
+        if n >= capacity:
+            raise ValueError(
+                f"the prompt is {n} tokens long; the KV cache holds only {capacity} tokens"
+            )
+        # One request never outgrows the context or the whole cache: that would preempt
+        # itself forever. It stops with finish_reason "length" instead.
+        room = min(self.max_model_len, capacity) - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(
+            request_id or uuid.uuid4().hex, token_ids, params, max_tokens, self.eos_token_ids
+        )
+        req.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens
+        )
+        return req
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+    ) -> Request:
+        """Queue a generation. Returns the request (its id is generated when None)."""
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = self.make_request(prompt, params, request_id)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now. Its final output (finish_reason
+        "abort", with any held-back text) comes out of the next step(). False if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self._aborted.append(self._output(req, "", []))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return what it produced."""
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            sampled = self.runner.run(sched)
+            self.scheduler.update(sched)
+            outputs.extend(self._process(sched.scheduled, sampled))
+        if self.config.debug_checks:
+            self.check_integrity()
+        return outputs
+
+    def _process(self, scheduled: list, sampled: dict[str, int]) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for s in scheduled:
+            req: Request = s.request
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk short of the prompt's end
+            req.append_output_token(token)
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            detok = req.detokenizer
+            assert detok is not None
+            reason = None
+            text = ""
+            if token in req.stop_token_ids:
+                reason = FinishReason.STOP  # the stop token's text is never shown
+            else:
+                text = detok.add_tokens([token])
+                if detok.stopped:
+                    reason = FinishReason.STOP
+            if reason is None and (
+                req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+            ):
+                reason = FinishReason.LENGTH
+            if reason is not None and not detok.stopped:
+                text += detok.flush()
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                del self.requests[req.request_id]
+            outputs.append(self._output(req, text, [token]))
+        return outputs
+
+    def _output(self, req: Request, text: str, token_ids: list[int]) -> RequestOutput:
+        if req.is_finished and req.finish_reason is FinishReason.ABORT and req.detokenizer:
+            text += "" if req.detokenizer.stopped else req.detokenizer.flush()
+        return RequestOutput(
+            request_id=req.request_id,
+            new_text=text,
+            new_token_ids=token_ids,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.num_prompt_tokens,
+            cached_tokens=max(req.num_cached_tokens, 0),
+            completion_tokens=req.num_output_tokens,
+            timings=copy.copy(req.timings),
+        )
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool, s = self.kv.pool, self.scheduler.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=pool.usage,
+            num_free_blocks=pool.num_free_blocks,
+            num_blocks=pool.num_blocks,
+            num_preemptions=s.num_preemptions,
+            prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits,
+            steps=s.steps,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if blocks, tables and requests disagree."""
+        self.kv.check_integrity()
+        sched = self.scheduler
+        ids = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
+        assert ids == set(self.requests), "scheduler and engine disagree on live requests"
+        assert len(sched.running) <= self.config.scheduler.max_num_seqs

@@ -1,0 +1,60 @@
+"""The paged K/V tensors: one allocation, sized in bytes, split into blocks.
+
+Layout per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim]; token
+slot = block_id * block_size + offset. All layers live in one tensor
+[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] so the memory is taken
+once and its size is exactly what was asked for (rounded down to whole blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.config import CacheConfig
+from app.model.arch import ArchConfig
+
+
+def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.kv_size * elem
+
+
+class KVCache:
+    """K/V memory for every layer."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        cfg: CacheConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        per_block = bytes_per_block(arch, cfg.block_size, dtype)
+        self.num_blocks = cfg.kv_cache_bytes // per_block
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"a KV cache of {cfg.kv_cache_bytes} bytes holds {self.num_blocks} blocks; "
+                f"one block of {cfg.block_size} tokens takes {per_block} bytes for this model"
+            )
+        self.block_size = cfg.block_size
+        # Zeros, not empty: padded block tables read the null block, and masked garbage
+        # could be NaN, which survives a zero attention weight (0 * NaN = NaN).
+        self.tensor = torch.zeros(
+            arch.num_layers,
+            2,
+            self.num_blocks,
+            cfg.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()

@@ -1,0 +1,96 @@
+"""LLM: the offline API. Give it prompts, get completions; the engine batches them.
+
+from app.engine.llm import LLM
+from app.engine.request import SamplingParams
+llm = LLM()
+print(llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from app.config import EngineConfig, ModelConfig
+from app.engine.engine import LLMEngine
+from app.engine.request import FinishReason, SamplingParams, Timings
+from app.model.loader import LoadedModel
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Completion:
+    """A finished generation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
+    timings: Timings | None = None
+
+
+class LLM:
+    """Synchronous batch generation over one LLMEngine."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        if config is None:
+            config = EngineConfig(model=ModelConfig(model=model))
+        self.engine = LLMEngine(config, loaded)
+        self.tokenizer = self.engine.tokenizer
+
+    def chat_prompt(self, messages: Messages) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the
+        assistant's reply."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Generate for every prompt at once; results come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        results: dict[str, Completion] = {}
+        order = []
+        for prompt, p in zip(prompts, params, strict=True):
+            req = self.engine.add_request(None, prompt, p)
+            results[req.request_id] = Completion(req.request_id, list(req.prompt_token_ids))
+            order.append(req.request_id)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                c = results[out.request_id]
+                c.text += out.new_text
+                c.token_ids.extend(out.new_token_ids)
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    c.cached_tokens = out.cached_tokens
+                    c.timings = out.timings
+        return [results[i] for i in order]
+
+    def chat(
+        self,
+        conversations: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Like generate(), for chat message lists."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        return self.generate([self.chat_prompt(m) for m in conversations], params)  # type: ignore[arg-type]

@@ -1,0 +1,204 @@
+"""A request's life: sampling parameters, token counters and timings.
+
+There is no prefill or decode phase. A request holds `all_token_ids` (prompt, then output)
+and `num_computed_tokens` (how many of them have K/V in the cache). The scheduler grants
+tokens from `num_computed_tokens` up to `num_tokens`; a decoding request is simply one with
+exactly one token left to compute (the one it sampled last step).
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from app.engine.detokenizer import IncrementalDetokenizer
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Invalid values raise ValueError with a message
+    fit to show the user.
+
+    temperature == 0 is greedy. top_k == 0, top_p == 1 and min_p == 0 switch those filters
+    off. repetition_penalty (> 1 discourages) acts on prompt and output tokens, as in
+    transformers and vLLM: a positive logit is divided by it, a negative one multiplied.
+    presence_penalty and frequency_penalty act on output tokens only, as in OpenAI's API:
+    logit -= presence * (count > 0) + frequency * count.
+    """
+
+    max_tokens: int | None = 256  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists (JSON) and a single stop string, store tuples (hashable, immutable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+            return float(value)
+
+        def integer(name: str, value: object) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            return value
+
+        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if number("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < number("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if integer("top_k", self.top_k) < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= number("min_p", self.min_p) <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= number("frequency_penalty", self.frequency_penalty) <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and not 0 <= integer("seed", self.seed) < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_LEN:
+                raise ValueError(f"a stop string is limited to {MAX_STOP_STRING_LEN} characters")
+        for t in self.stop_token_ids:
+            if integer("stop_token_ids[]", t) < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, end-of-turn, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # abort(request_id): a cancel or a client that went away
+    ERROR = "error"  # the engine failed this request
+
+
+@dataclass
+class Timings:
+    """Wall-clock instants (time.monotonic()) of a request's life."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+class Request:
+    """One generation: prompt, output so far, and how far its K/V is computed."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens resolved against the context
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache; -1 = unknown
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []  # one per full block of all_token_ids
+        self.timings = Timings()
+        # Every request gets its own generator, so that a seeded request draws the same
+        # numbers whatever else shares its batch.
+        self.generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else secrets.randbits(63)
+        )
+        self.detokenizer: IncrementalDetokenizer | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

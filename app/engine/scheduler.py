@@ -1,0 +1,181 @@
+"""Continuous batching under a token budget.
+
+Each step the scheduler hands out up to `max_num_batched_tokens` tokens:
+
+1. decodes first: every running request with one token left gets it (steady inter-token
+   latency for the conversations already talking);
+2. then running requests that are part-way through their prompt (chunked prefill);
+3. then new requests from the waiting queue, in arrival order, while the budget,
+   `max_num_seqs` and free blocks allow. A new request first takes whatever prefix of
+   it the prefix cache holds.
+
+While anything decodes, prefill tokens are capped at `prefill_chunk_while_decoding` per
+step (see SchedulerConfig). When blocks run out the newest running request is preempted:
+its blocks are freed (their hashes stay, so its recompute is mostly cache hits) and it goes
+back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.config import SchedulerConfig
+from app.engine.kv_manager import KVCacheManager
+from app.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """A request and the tokens it computes this step."""
+
+    request: Request
+    num_tokens: int
+    block_ids: list[int]
+
+    @property
+    def start(self) -> int:
+        """Position of the first token computed this step."""
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last known token (so it samples)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: decodes first, then prefill chunks."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (for metrics and benchmarks)."""
+
+    num_preemptions: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # ... found there
+    steps: int = 0
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: newest last
+        self.stats = SchedulerStats()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled: set[str] = set()
+        budget = self.cfg.max_num_batched_tokens
+
+        # 1. Decodes, oldest first. 2. Prefills already under way.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes:
+            if req.status is RequestStatus.RUNNING and self._grant(req, 1, out, scheduled):
+                budget -= 1
+        prefill_budget = budget
+        if out.scheduled:
+            prefill_budget = min(budget, self.cfg.prefill_chunk_while_decoding)
+        for req in prefills:
+            if prefill_budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted by an earlier request of this step
+            n = min(req.num_tokens - req.num_computed_tokens, prefill_budget)
+            if self._grant(req, n, out, scheduled):
+                prefill_budget -= n
+
+        # 3. Admissions, unless memory was short this step.
+        while (
+            self.waiting
+            and not out.preempted
+            and prefill_budget > 0
+            and len(self.running) < self.cfg.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - num_hit, prefill_budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.stats.prefix_queries += req.num_tokens
+            self.stats.prefix_hits += num_hit
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:  # a resumed request keeps its first figure
+                req.num_cached_tokens = num_hit
+            if req.timings.first_scheduled is None:
+                req.timings.first_scheduled = time.monotonic()
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+            scheduled.add(req.request_id)
+            prefill_budget -= n
+        self.stats.steps += 1
+        return out
+
+    def _grant(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[str]) -> bool:
+        """Allocate n more tokens for a running request, preempting the newest requests
+        not yet scheduled this step (possibly `req` itself) until it fits."""
+        while not self.kv.allocate_slots(req, n):
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+        scheduled.add(req.request_id)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the forward pass: the scheduled tokens now have K/V in the cache."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+            self.kv.cache_full_blocks(s.request)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Stop a request for good and free its blocks (any status)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.free(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+            self.kv.free(req)  # a waiting request holds no blocks; harmless
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.timings.finished = time.monotonic()

@@ -1,0 +1,111 @@
+"""Attention over the paged KV cache.
+
+A step's tokens form one flat batch: first the decoding sequences (one token each), then
+the prefill chunks, each a contiguous run of tokens of one sequence. Every layer:
+
+1. writes the new K/V rows into their slots (`slot = block_id * block_size + offset`);
+2. decodes attend in one batched call: their blocks are gathered by block table into a
+   padded [B, L] view and masked by context length. The G query heads that share a K/V
+   head become G "query rows" of that head (q: [B, Hkv, G, D]), so grouped-query
+   attention needs no repeat of K/V;
+3. each prefill chunk attends on its own: a fresh prompt (nothing cached before it) uses
+   its new K/V directly with a causal mask; a chunk that continues a cached prefix gathers
+   its context from the cache and uses a bottom-right-aligned causal mask.
+
+The masks and index tensors are built once per step (AttentionMetadata) and shared by all
+layers, so the Python work per layer does not grow with the number of decoding sequences.
+Measured on 2 CPU cores (bench notes in design.md): one gather + SDPA beats per-sequence
+calls 2-4x at 8-32 sequences; the kernel itself is bound by reading K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's run of new tokens in the flat batch."""
+
+    start: int  # first token's index in the flat batch
+    num_tokens: int
+    context_len: int  # tokens attended to by the last query: cached + new
+    block_table: torch.Tensor | None  # [num_blocks] int64; None when nothing was cached
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's K/V goes and what each query attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decodes: int = 0  # the first num_decodes tokens are decodes, one per sequence
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D], rotary applied
+    k: torch.Tensor,  # [T, Hkv, D], rotary applied
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store k/v in the cache, then attend. Returns [T, H, D]."""
+    T, _, D = q.shape
+    num_kv_heads = k.shape[1]
+    k_cache.view(-1, num_kv_heads, D).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, D).index_copy_(0, meta.slot_mapping, v)
+
+    n = meta.num_decodes
+    if n == T and not meta.prefills:  # decode-only step: no copy into a separate output
+        return _decode(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if n:
+        out[:n] = _decode(q[:n], k_cache, v_cache, meta, scale)
+    for p in meta.prefills:
+        s, e = p.start, p.start + p.num_tokens
+        qs = q[s:e].transpose(0, 1)  # (H, n, D)
+        if p.block_table is None:  # a fresh prompt: its own K/V are the whole context
+            ks, vs = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)  # (Hkv, n, D)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            ks = k_cache[p.block_table].view(-1, num_kv_heads, D)[: p.context_len]
+            vs = v_cache[p.block_table].view(-1, num_kv_heads, D)[: p.context_len]
+            o = F.scaled_dot_product_attention(
+                qs,
+                ks.transpose(0, 1),
+                vs.transpose(0, 1),
+                attn_mask=p.mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def _decode(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    assert meta.decode_block_tables is not None
+    B, H, D = q.shape
+    num_kv_heads = k_cache.shape[2]
+    tables = meta.decode_block_tables
+    L = tables.shape[1] * k_cache.shape[1]
+    ks = k_cache[tables].view(B, L, num_kv_heads, D).transpose(1, 2)  # (B, Hkv, L, D)
+    vs = v_cache[tables].view(B, L, num_kv_heads, D).transpose(1, 2)
+    qs = q.view(B, num_kv_heads, H // num_kv_heads, D)  # (B, Hkv, G, D)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(B, H, D)

@@ -1,0 +1,131 @@
+"""Read a GGUF file (llama.cpp's format) into an ArchConfig and Hugging Face-named float
+tensors, with the `gguf` package alone (transformers' GGUF path is ~10x slower).
+
+Two traps:
+- GGUF stores shapes innermost-first; `gguf` gives numpy arrays already in PyTorch's
+  [out_features, in_features] order once dequantized.
+- For the llama architecture, llama.cpp's converter permutes the rows of the Q and K
+  projections to suit its rotary layout (pairs (2i, 2i+1) instead of halves (i, i+d/2)).
+  Hugging Face weights are not permuted, nor is our rotary code: undo it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from app.model.arch import ArchConfig
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if f.types and f.types[0] == GGUFValueType.ARRAY:
+        return f.contents()
+    return f.contents()
+
+
+def read_arch(reader: GGUFReader) -> ArchConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_scaling = None
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    window = get("attention.sliding_window")
+    return ArchConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=tied,
+        attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        rope_scaling=rope_scaling,
+        sliding_window=int(window) if window else None,
+    )
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's Q/K row permutation (works for weights and biases).
+
+    llama.cpp maps, within each head, row (half h, index i) to row (i, h): viewed as
+    (heads, 2, d/2) -> swap -> (heads, d/2, 2). Undoing it reads rows as (heads, d/2, 2).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None  # e.g. rope_freqs: derived from the metadata instead
+
+
+def iter_tensors(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, float32 tensor) for every weight, dequantizing as we go."""
+    permuted = arch.architecture in ("llama", "mistral")
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, arch.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, arch.num_kv_heads)
+        w = np.ascontiguousarray(w)
+        yield name, torch.from_numpy(w if w.flags.writeable else w.copy())
+
+
+def open_gguf(path: Path) -> tuple[GGUFReader, ArchConfig]:
+    reader = GGUFReader(str(path))
+    return reader, read_arch(reader)

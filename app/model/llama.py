@@ -1,0 +1,159 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+The architecture is Llama's (Touvron et al. 2023): pre-norm RMSNorm, rotary position
+embeddings, grouped-query attention, a SwiGLU MLP. transformers' `modeling_llama.py` is
+the numerical reference (tests compare logits); the difference is the batch: not a padded
+[B, T] tensor but one flat run of T tokens from many sequences, with positions and
+AttentionMetadata saying where each token's K/V lives and what it attends to.
+
+Q, K and V share one matrix (`qkv`), and so do the MLP's gate and up projections
+(`gate_up`): on a CPU a decode step is bound by reading weights, and fewer, larger
+matmuls read them faster and cost fewer Python calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.model.arch import ArchConfig
+from app.model.attention import AttentionMetadata, paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rotary_inv_freq(arch: ArchConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with the config's scaling applied."""
+    d = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = arch.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the
+        # band between them interpolated smoothly.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, scaled, inv_freq)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """Rotary embeddings in the "rotate half" layout of Hugging Face checkpoints:
+    dimension i pairs with i + head_dim/2."""
+
+    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, rotary_inv_freq(arch))  # (P, D/2)
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, D) -> same, rotated by each token's position."""
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.qkv = nn.Linear(
+            arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias
+        )
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.scale = arch.head_dim**-0.5
+
+    def forward(
+        self,
+        h: torch.Tensor,  # (T, hidden)
+        rotary: Rotary,
+        positions: torch.Tensor,  # (T,)
+        kv: tuple[torch.Tensor, torch.Tensor],  # each (num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        a = self.arch
+        T = h.shape[0]
+        qkv = self.qkv(self.input_norm(h))  # (T, (H + 2 Hkv) * D)
+        # Rotate q and k together: they are adjacent in the fused projection.
+        qk = rotary(qkv[:, : a.q_size + a.kv_size].view(T, -1, a.head_dim), positions)
+        q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        v = qkv[:, a.q_size + a.kv_size :].view(T, a.num_kv_heads, a.head_dim)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, H, D)
+        h = h + self.o_proj(o.view(T, a.q_size))
+        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """The decoder. forward() takes a flat batch and returns logits only for the rows in
+    `logits_indices` (the LM head is the largest matmul of a small model: it never runs
+    for tokens in the middle of a prompt)."""
+
+    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        )
+        self.rotary = Rotary(arch, max_positions)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per layer
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # (S,) rows of the flat batch that sample
+    ) -> torch.Tensor:
+        """Returns logits (S, vocab)."""
+        h = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, self.rotary, positions, kv, meta)
+        h = self.norm(h[logits_indices])
+        return F.linear(h, self.lm_head_weight)
+
+    @classmethod
+    def from_weights(
+        cls, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int
+    ) -> LlamaModel:
+        """Build on the meta device, then adopt the loaded tensors without copying."""
+        with torch.device("meta"):
+            model = cls(arch, max_positions)
+        model.load_state_dict(weights, strict=True, assign=True)
+        model.rotary = Rotary(arch, max_positions)  # buffers are not in the checkpoint
+        return model.eval().requires_grad_(False)

@@ -1,0 +1,177 @@
+"""Weights and tokenizer: from a local Hugging Face folder or a GGUF file, into the
+parameter layout of `app.model.llama` (Q/K/V fused into one matrix, gate/up into another).
+
+Dequantizing a GGUF file takes seconds, so the result is kept in the cache directory as
+safetensors next to the tokenizer; a warm start only maps that file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from app.config import ModelConfig
+from app.model.arch import ArchConfig
+from app.model.registry import DEFAULT_MODEL, default_model_path
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = "v1"  # bump when the converted layout changes
+# End-of-turn markers of common chat templates: generation stops at any that exists.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+@dataclass
+class LoadedModel:
+    """What the engine needs from a checkpoint."""
+
+    name: str
+    arch: ArchConfig
+    weights: dict[str, torch.Tensor]  # names of app.model.llama.LlamaModel
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    """Load config, weights and tokenizer for `cfg.model` (None: the default model)."""
+    if cfg.model is None:
+        path = default_model_path(cfg.cache_dir)
+        name = DEFAULT_MODEL.name
+    else:
+        path = Path(cfg.model).expanduser()
+        name = path.stem if path.suffix == ".gguf" else path.name
+        if not path.exists():
+            raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_dir():
+        arch, weights, tokenizer = _load_hf_folder(path)
+    elif path.suffix == ".gguf":
+        arch, weights, tokenizer = _load_gguf_cached(path, cfg.cache_dir)
+    else:
+        raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
+    dtype = getattr(torch, cfg.dtype)
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    return LoadedModel(name, arch, weights, tokenizer, _eos_token_ids(tokenizer, path))
+
+
+def fuse_weights(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> ours. Consumes `hf` layer by layer to keep peak memory low."""
+    out = {
+        "embed_tokens.weight": hf.pop("model.embed_tokens.weight"),
+        "norm.weight": hf.pop("model.norm.weight"),
+    }
+    lm_head = hf.pop("lm_head.weight", None)
+    if not arch.tie_word_embeddings:
+        if lm_head is None:
+            raise ValueError("the checkpoint has no lm_head.weight and does not tie embeddings")
+        out["lm_head.weight"] = lm_head
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        q = f"layers.{i}."
+        out[q + "input_norm.weight"] = hf.pop(p + "input_layernorm.weight")
+        out[q + "post_norm.weight"] = hf.pop(p + "post_attention_layernorm.weight")
+        out[q + "qkv.weight"] = torch.cat(
+            [hf.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
+        )
+        if arch.attention_bias:
+            out[q + "qkv.bias"] = torch.cat(
+                [hf.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
+            )
+        out[q + "o_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight")
+        out[q + "gate_up.weight"] = torch.cat(
+            [hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")], dim=0
+        )
+        out[q + "down.weight"] = hf.pop(p + "mlp.down_proj.weight")
+    unused = [k for k in hf if "rotary_emb" not in k]
+    if unused:
+        log.warning("ignoring %d unexpected tensors, e.g. %s", len(unused), unused[:3])
+    return out
+
+
+def _load_hf_folder(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor], object]:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{path} has no config.json")
+    arch = ArchConfig.from_hf_config(json.loads(config_file.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    hf: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                hf[key] = st.get_tensor(key).float()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return arch, fuse_weights(hf, arch), tokenizer
+
+
+def _load_gguf_cached(path: Path, cache_dir: Path) -> tuple[ArchConfig, dict, object]:
+    stat = path.stat()
+    target = cache_dir / "converted" / f"{path.stem}-{stat.st_size}-{CACHE_FORMAT}"
+    if not (target / "model.safetensors").exists():
+        _convert_gguf(path, target)
+    arch = ArchConfig.from_dict(json.loads((target / "arch.json").read_text()))
+    weights: dict[str, torch.Tensor] = {}
+    with safe_open(str(target / "model.safetensors"), framework="pt") as st:
+        for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+            weights[key] = st.get_tensor(key)
+    tokenizer = AutoTokenizer.from_pretrained(str(target / "tokenizer"))
+    return arch, weights, tokenizer
+
+
+def _convert_gguf(path: Path, target: Path) -> None:
+    """Dequantize once and store our layout; atomic (a crash leaves no half cache)."""
+    from app.model.gguf_file import iter_tensors, open_gguf
+
+    started = time.monotonic()
+    reader, arch = open_gguf(path)
+    hf: dict[str, torch.Tensor] = {}
+    progress = tqdm(
+        iter_tensors(reader, arch),
+        total=len(reader.tensors),
+        desc=f"Converting {path.name} (once)",
+        unit="tensor",
+        file=sys.stderr,
+    )
+    for name, tensor in progress:
+        hf[name] = tensor
+    weights = fuse_weights(hf, arch)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    tmp.chmod(0o755)
+    try:
+        save_file(weights, str(tmp / "model.safetensors"))
+        (tmp / "arch.json").write_text(json.dumps(arch.to_dict(), indent=1))
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("converted %s in %.1f s into %s", path.name, time.monotonic() - started, target)
+
+
+def _eos_token_ids(tokenizer: PreTrainedTokenizerBase, path: Path) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_config = path / "generation_config.json" if path.is_dir() else None
+    if gen_config is not None and gen_config.exists():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return frozenset(ids)

@@ -1,0 +1,301 @@
+"""Engine throughput: Parley against transformers' generate, side by side in one process.
+
+    python bench/engine_throughput.py            # everything (~10 minutes on 2 cores)
+    python bench/engine_throughput.py --quick    # fewer tokens, for a smoke run
+
+This machine is shared and noisy: every figure that has a target is a ratio against a
+baseline measured in the same run, each side taking the best of --repeats runs, and the
+runs of the two sides alternate. Writes a JSON file with every number (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.config import CacheConfig, EngineConfig, GiB, ModelConfig
+from app.engine.engine import LLMEngine
+from app.engine.request import SamplingParams
+from app.model.loader import load_model
+
+TOPICS = [
+    "volcanoes", "the moon", "honeybees", "the printing press", "jazz", "glaciers", "owls",
+    "the Roman Empire", "photosynthesis", "chess", "lighthouses", "coffee", "octopuses",
+    "the Silk Road", "rainbows", "bicycles", "the Pacific Ocean", "penguins", "tea",
+    "the Eiffel Tower", "deserts", "the violin", "comets", "origami", "coral reefs",
+    "the telescope", "maple trees", "sailing", "the alphabet", "thunderstorms", "bread",
+    "the compass", "whales", "castles", "the piano", "mushrooms", "hot air balloons",
+    "bamboo", "the pyramids", "snowflakes", "trains", "the human heart", "kites",
+    "rivers", "dolphins", "windmills", "the calendar", "spiders", "clocks", "salt",
+    "the Amazon rainforest", "elephants", "paper", "the Arctic", "bees and flowers",
+    "satellites", "cheese", "the Great Wall", "frogs", "pottery", "earthquakes",
+    "libraries", "wolves", "the wheel",
+]  # fmt: skip
+LONG_TEXT = (
+    "The history of timekeeping is a history of people trying to agree on when things "
+    "happen. Sundials, water clocks, candles marked with hours and mechanical escapements "
+    "each served a community for a while, until trade, travel or science demanded more "
+    "precision than they could give. "
+)
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, return_dict=False
+    )
+    return list(ids)
+
+
+def short_prompts(tokenizer, n: int) -> list[list[int]]:
+    """~40-token chat prompts, all different."""
+    out = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        out.append(chat_ids(tokenizer, f"Tell me three surprising facts about {topic}, please."))
+    return out
+
+
+def long_prompt(tokenizer, tokens: int, salt: str) -> list[int]:
+    ids = tokenizer.encode(f"[{salt}] " + LONG_TEXT * (tokens // 40 + 2), add_special_tokens=False)
+    return ids[:tokens]
+
+
+# -- Parley ----------------------------------------------------------------------------
+
+
+def parley_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts at once; output tok/s over the whole run (prefill included)."""
+    engine.kv.pool.reset_prefix_cache()  # every run computes its prompts
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    tokens = 0
+    first_tokens, finishes = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                first_tokens.append(out.timings.first_token)
+                finishes.append(out.timings.finished)
+    elapsed = time.perf_counter() - start
+    decode_s = max(finishes) - min(first_tokens)
+    decode_rate = (tokens - len(prompts)) / decode_s if decode_s > 0 else 0.0
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "decode_tok_s": decode_rate}
+
+
+def parley_ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    engine.kv.pool.reset_prefix_cache()
+    engine.add_request("ttft", prompt, SamplingParams(temperature=0, max_tokens=1))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def parley_itl_under_long_prefill(
+    engine: LLMEngine, prompts: list[list[int]], long: list[int]
+) -> dict:
+    """8 requests decode; a long prompt arrives. Gaps between each decoder's tokens."""
+    engine.kv.pool.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"d{i}", p, params)
+    arrivals: dict[str, list[float]] = {f"d{i}": [] for i in range(len(prompts))}
+    long_added = long_first = None
+    step = 0
+    while engine.has_unfinished_requests():
+        if step == 20:
+            engine.add_request("long", long, SamplingParams(temperature=0, max_tokens=1))
+            long_added = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.request_id == "long":
+                long_first = now
+            elif out.new_token_ids:
+                arrivals[out.request_id].append(now)
+        step += 1
+    gaps = [b - a for ts in arrivals.values() for a, b in itertools.pairwise(ts)]
+    median = statistics.median(gaps)
+    return {
+        "median_gap_ms": median * 1000,
+        "max_gap_ms": max(gaps) * 1000,
+        "max_over_median": max(gaps) / median,
+        "long_prompt_tokens": len(long),
+        "long_ttft_s": (long_first - long_added) if long_first and long_added else None,
+    }
+
+
+# -- transformers ------------------------------------------------------------------------
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_batch(model, prompts: list[list[int]], max_tokens: int, pad_id: int) -> dict:
+    """Left-padded batch through generate(); every sequence makes max_tokens tokens."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    start = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+    elapsed = time.perf_counter() - start
+    tokens = (out.shape[1] - width) * len(prompts)
+    return {"tok_s": tokens / elapsed, "seconds": elapsed}
+
+
+@torch.inference_mode()
+def hf_forward(model, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    model(torch.tensor([prompt]))
+    return time.perf_counter() - start
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def best(fn, repeats: int, key: str = "tok_s", lower: bool = False):
+    runs = [fn() for _ in range(repeats)]
+    if isinstance(runs[0], float):
+        return min(runs) if lower else max(runs)
+    return (min if lower else max)(runs, key=lambda r: r[key])
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_rss_child(kv_bytes: int, max_tokens: int) -> dict:
+    """Peak RSS of a fresh process that loads the model with a `kv_bytes` cache and
+    serves 64 requests (so that the cache is really written)."""
+    code = f"""
+import json, resource, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+import torch
+torch.set_num_threads(2)
+from bench.engine_throughput import short_prompts, parley_batch
+from app.config import CacheConfig, EngineConfig
+from app.engine.engine import LLMEngine
+e = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_bytes={kv_bytes})))
+weights = sum(p.numel() * p.element_size() for p in e.model.parameters())
+parley_batch(e, short_prompts(e.tokenizer, 64), {max_tokens})
+print(json.dumps({{"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "weights_mib": weights / 2**20, "kv_mib": e.kv_cache.nbytes / 2**20,
+                  "kv_used_blocks_peak_note": "64 x (40 + {max_tokens}) tokens written"}}))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0:
+        return {"error": result.stderr[-2000:]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="32 tokens instead of 128")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="bench/results/engine_throughput.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    max_tokens = 32 if args.quick else 128
+    results: dict = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "max_tokens": max_tokens,
+    }
+
+    loaded = load_model(ModelConfig())
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_bytes=2 * GiB)), loaded)
+    tok = engine.tokenizer
+    hf = None if args.skip_hf else hf_model(Path(_default_path()))
+    pad = tok.eos_token_id
+
+    def compare(name: str, n: int) -> None:
+        prompts = short_prompts(tok, n)
+        parley = best(lambda: parley_batch(engine, prompts, max_tokens), args.repeats)
+        row = {"requests": n, "prompt_tokens": len(prompts[0]), "parley": parley}
+        if hf is not None:
+            base = best(lambda: hf_batch(hf, prompts, max_tokens, pad), args.repeats)
+            row["hf"] = base
+            row["ratio"] = parley["tok_s"] / base["tok_s"]
+            if n == 1:
+                row["parley_decode_vs_hf"] = parley["decode_tok_s"] / base["tok_s"]
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+
+    compare("batch_1", 1)
+    compare("batch_8", 8)
+    compare("batch_32", 32)
+
+    long = long_prompt(tok, 1500, "ttft")
+    ttft = {"prompt_tokens": len(long)}
+    ttft["parley_s"] = best(lambda: parley_ttft(engine, long), args.repeats, lower=True)
+    if hf is not None:
+        ttft["hf_forward_s"] = best(lambda: hf_forward(hf, long), args.repeats, lower=True)
+        ttft["ratio"] = ttft["parley_s"] / ttft["hf_forward_s"]
+    results["ttft_1500"] = ttft
+    print("ttft_1500", json.dumps(ttft), flush=True)
+
+    table = {}
+    for n in (1, 4, 8, 16, 32, 64):
+        r = parley_batch(engine, short_prompts(tok, n), max_tokens)
+        table[n] = round(r["tok_s"], 1)
+        print(f"concurrency {n}: {r['tok_s']:.1f} tok/s", flush=True)
+    results["concurrency_tok_s"] = table
+
+    itl = parley_itl_under_long_prefill(engine, short_prompts(tok, 8), long_prompt(tok, 2000, "l"))
+    results["itl_under_long_prefill"] = itl
+    print("itl_under_long_prefill", json.dumps(itl), flush=True)
+
+    results["rss"] = peak_rss_child(2 * GiB, max_tokens)
+    print("rss", json.dumps(results["rss"]), flush=True)
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+def _default_path() -> str:
+    from app.config import default_cache_dir
+    from app.model.registry import default_model_path
+
+    return str(default_model_path(default_cache_dir()))
+
+
+if __name__ == "__main__":
+    main()

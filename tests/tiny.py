@@ -1,0 +1,95 @@
+"""A tiny random Llama built in the test: same code paths as the real model, fast."""
+
+from __future__ import annotations
+
+import torch
+
+from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.engine.engine import LLMEngine
+from app.model.arch import ArchConfig
+from app.model.loader import LoadedModel
+
+
+def tiny_arch(vocab_size: int, **overrides) -> ArchConfig:
+    fields = dict(
+        architecture="llama",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    fields.update(overrides)
+    return ArchConfig(**fields)
+
+
+def tiny_weights(arch: ArchConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights scaled so that logits are well spread (no near-ties for greedy)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    h, kv = arch.hidden_size, arch.kv_size
+    weights = {
+        "embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=g),
+        "norm.weight": torch.ones(h),
+    }
+    if not arch.tie_word_embeddings:
+        weights["lm_head.weight"] = w(arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        weights[p + "input_norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        weights[p + "post_norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        weights[p + "qkv.weight"] = w(arch.q_size + 2 * kv, h)
+        if arch.attention_bias:
+            weights[p + "qkv.bias"] = 0.1 * torch.randn(arch.q_size + 2 * kv, generator=g)
+        weights[p + "o_proj.weight"] = w(h, arch.q_size)
+        weights[p + "gate_up.weight"] = w(2 * arch.intermediate_size, h)
+        weights[p + "down.weight"] = w(h, arch.intermediate_size)
+    return weights
+
+
+def tiny_loaded(tokenizer, seed: int = 0, **arch_overrides) -> LoadedModel:
+    arch = tiny_arch(len(tokenizer), **arch_overrides)
+    eos = frozenset({tokenizer.eos_token_id})
+    return LoadedModel("tiny", arch, tiny_weights(arch, seed), tokenizer, eos)
+
+
+def tiny_engine(
+    tokenizer,
+    *,
+    num_blocks: int = 256,
+    block_size: int = 16,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+    prefill_chunk_while_decoding: int = 64,
+    prefix_caching: bool = True,
+    seed: int = 0,
+    **arch_overrides,
+) -> LLMEngine:
+    """An engine on a tiny model with a KV cache of exactly `num_blocks` blocks
+    (the null block included) and integrity checks after every step."""
+    loaded = tiny_loaded(tokenizer, seed, **arch_overrides)
+    arch = loaded.arch
+    per_block = 2 * arch.num_layers * block_size * arch.kv_size * 4
+    config = EngineConfig(
+        cache=CacheConfig(
+            kv_cache_bytes=num_blocks * per_block,
+            block_size=block_size,
+            enable_prefix_caching=prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefill_chunk_while_decoding=prefill_chunk_while_decoding,
+        ),
+        debug_checks=True,
+    )
+    return LLMEngine(config, loaded)
