@@ -87,15 +87,16 @@ class SchedulerConfig:
     """Continuous batching limits.
 
     `max_num_batched_tokens` is the token budget of one step. While requests are decoding,
-    a prefill chunk is further capped at `prefill_chunk_while_decoding`: on a CPU one step's
-    time grows with its tokens, and every decoder waits for the whole step, so a long prompt
-    must arrive in small bites to keep the others' inter-token latency even. With nothing
+    a prefill chunk is further capped at `prefill_chunk_while_decoding` tokens (fewer deep
+    into a long prompt, where each token attends to more): on a CPU one step's time grows
+    with its tokens, and every decoder waits for the whole step, so a long prompt must
+    arrive in small bites to keep the others' inter-token latency even. With nothing
     decoding, a prompt uses the whole budget (time to first token as good as one forward).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    prefill_chunk_while_decoding: int = 64
+    prefill_chunk_while_decoding: int = 48
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -93,6 +93,11 @@ class LLMEngine:
         dtype = getattr(torch, config.model.dtype)
         self.model = LlamaModel.from_weights(loaded.arch, loaded.weights, self.max_model_len)
         self.model.to(config.device)
+        if torch.device(config.device).type == "cpu":
+            self.model.pack_for_cpu()
+        if model is None:
+            # Ours alone: drop the memory-mapped weights before the KV cache takes memory.
+            loaded.weights = {}
         self.kv_cache = KVCache(loaded.arch, config.cache, dtype, config.device)
         self.kv = KVCacheManager(
             BlockPool(self.kv_cache.num_blocks),

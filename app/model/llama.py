@@ -21,6 +21,7 @@ from torch import nn
 
 from app.model.arch import ArchConfig
 from app.model.attention import AttentionMetadata, paged_attention
+from app.model.packed_linear import pack_linears, pack_weight, packing_available
 
 
 class RMSNorm(nn.Module):
@@ -127,10 +128,25 @@ class LlamaModel(nn.Module):
             else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         )
         self.rotary = Rotary(arch, max_positions)
+        self.packed_lm_head: nn.Module | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_for_cpu(self) -> bool:
+        """Prepack every linear layer, LM head included, for oneDNN (see packed_linear).
+        The embedding stays plain: a tied LM head gets its own packed copy."""
+        if not packing_available():
+            return False
+        self.packed_lm_head = pack_weight(self.lm_head_weight.detach())
+        self.lm_head = None
+        pack_linears(self.layers)
+        # What stays plain (embedding, norms) may still live in the memory-mapped weights
+        # file; owning a copy lets the mapping go, so its pages leave our RSS.
+        for param in self.parameters():
+            param.data = param.data.clone()
+        return True
 
     def forward(
         self,
@@ -145,6 +161,8 @@ class LlamaModel(nn.Module):
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h = layer(h, self.rotary, positions, kv, meta)
         h = self.norm(h[logits_indices])
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(h)
         return F.linear(h, self.lm_head_weight)
 
     @classmethod

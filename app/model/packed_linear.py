@@ -1,0 +1,62 @@
+"""Linear layers with weights prepacked for oneDNN on x86 CPUs.
+
+PyTorch's default CPU matmul (MKL sgemm) re-reads a plain row-major weight on every
+call. oneDNN can instead keep the weight in its own blocked layout, reordered once at
+load, and then streams it much better for the small row counts of decode: measured here
+(2 cores, AVX-512) the model's linears take ~1.5x less time at 1-64 rows, fp32 throughout
+(differences vs sgemm ~1e-6, accumulation order). The kernel is the one PyTorch's own
+compiler (inductor) emits for CPU linears; we call it directly. Where it is missing
+(other builds, other devices) layers stay plain nn.Linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def packing_available() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's layout (opaque: it cannot be indexed)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach().contiguous()
+        # The batch-size hint picks the blocked format; 16-64 measured best for 1-64 rows
+        # (1 was ~30% slower at 8-32 rows).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every float32 nn.Linear inside `module` by a PackedLinear. Returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
+            setattr(module, name, PackedLinear(child))
+            count += 1
+        else:
+            count += pack_linears(child)
+    return count
+
+
+def pack_weight(weight: torch.Tensor) -> PackedLinear:
+    """A PackedLinear over a bare weight (e.g. an LM head tied to the embedding)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return PackedLinear(linear)
