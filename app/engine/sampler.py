@@ -3,9 +3,11 @@ min-p filters, then one random draw per sampled row.
 
 The semantics follow transformers and vLLM (repetition penalty over prompt and output,
 top-p computed on what top-k left) and OpenAI (presence and frequency penalties over the
-output). Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) picks token i
-with probability p_i, and it needs exactly V numbers from the row's own generator, so a
-seeded request draws the same tokens whatever else shares its batch.
+output). Sampling inverts the cumulative distribution: one uniform number u from the row's
+own generator picks the first token whose cumulative probability exceeds u. One number per
+row and step means a seeded request draws the same tokens whatever else shares its batch,
+and costs one batched cumsum instead of V random numbers per row (an exponential race
+took ~1 ms per row at V = 49,152).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from app.engine.request import SamplingParams
 # Cumulative probabilities within this of top_p count as reaching it: softmax and cumsum
 # in float32 are off by a few ulps, and a tie must not decide on rounding noise.
 _TOP_P_SLACK = 1e-6
+TOP_P_CANDIDATES = 1024
 
 
 class SamplingState(Protocol):
@@ -143,12 +146,13 @@ class Sampler:
             x.masked_fill_(x < floor.view(num_rows, 1), -math.inf)
 
         probs = x.softmax(dim=-1)
-        race = torch.empty_like(probs)  # [R, V]
-        for row, state in enumerate(states):
-            race[row].exponential_(generator=state.generator)
-        # Exp(1) can round to 0; a floor keeps p / q finite and a masked token at 0.
-        race.clamp_(min=torch.finfo(race.dtype).tiny)
-        return probs.div_(race).argmax(dim=-1)
+        cdf = probs.cumsum_(dim=-1)  # [R, V], non-decreasing
+        u = torch.stack([torch.rand((), generator=s.generator) for s in states])  # [R]
+        target = (u * cdf[:, -1]).unsqueeze(1)  # in [0, total): some token's cdf exceeds it
+        # side="right": the first token whose cdf is > target, which has probability > 0,
+        # so a masked token (zero mass, flat cdf) is never picked, even when u == 0.
+        tokens = torch.searchsorted(cdf, target.to(cdf.dtype), right=True).squeeze(1)
+        return tokens.clamp_(max=vocab - 1)
 
 
 def _mask_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -164,18 +168,55 @@ def _mask_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> None
         x.masked_fill_(x < largest.gather(1, top_k - 1), -math.inf)
         return
 
-    ordered, order = x.sort(dim=-1, descending=True)  # [R, V] each; one sort for all rows
-    drop = ordered < ordered.gather(1, top_k - 1)  # [R, V], in sorted order
-    probs = ordered.masked_fill(drop, -math.inf).softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+    # A nucleus is almost always a few hundred tokens at most: look for it among the
+    # largest TOP_P_CANDIDATES logits first (a partial topk, ~7x cheaper than a full sort
+    # at 32 x 49,152), and sort the whole row only where that set is too small.
+    k = min(vocab, TOP_P_CANDIDATES)
+    rows_fit = top_k.view(-1) <= k
+    has_top_k = top_k.view(-1) < vocab
+    values, order = x.topk(k, dim=-1)  # [R, k], descending
+    keep, covered = _nucleus(values, top_k.clamp(max=k), params, x, has_top_k)
+    covered |= rows_fit & has_top_k  # top_k <= k: every kept token is a candidate
+    covered &= rows_fit | ~has_top_k  # top_k > k: the kept set leaves the candidates
+    mask = torch.ones_like(x, dtype=torch.bool).scatter_(1, order, ~keep)
+    rest = (~covered).nonzero().view(-1).tolist()
+    if rest:
+        sub = x[rest]
+        ordered, full_order = sub.sort(dim=-1, descending=True)  # [r, V]
+        sub_params = [params[i] for i in rest]
+        full_keep, _ = _nucleus(ordered, top_k[rest], sub_params, None, None)
+        mask[rest] = torch.empty_like(full_keep).scatter_(1, full_order, ~full_keep)
+    x.masked_fill_(mask, -math.inf)
+
+
+def _nucleus(
+    ordered: torch.Tensor,  # [R, n] logits sorted descending: a whole row or its top n
+    top_k: torch.Tensor,  # [R, 1], each <= n
+    params: Sequence[SamplingParams],
+    full: torch.Tensor | None,  # [R, V] whole rows when `ordered` is only their top n
+    has_top_k: torch.Tensor | None,  # [R] bool, with `full`
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of `ordered` top_k and then top_p keep ([R, n] bool), and whether the kept
+    set is complete within `ordered` ([R] bool: the mass there reached top_p)."""
+    num_rows = ordered.shape[0]
+    drop = ordered < ordered.gather(1, top_k - 1)  # top_k, ties with the k-th kept
+    kept = ordered.masked_fill(drop, -math.inf)
+    log_norm = kept.logsumexp(dim=-1, keepdim=True)  # [R, 1]
+    if full is not None and has_top_k is not None:
+        # Without top_k the distribution spans the whole row, not just its top n.
+        log_norm = torch.where(has_top_k.view(-1, 1), log_norm, full.logsumexp(-1, True))
+    probs = (kept - log_norm).exp()
+    cum = probs.cumsum(dim=-1)
+    before = cum - probs  # mass of the tokens ranked above
     # top_p == 1 must keep every token, even when the cumsum reaches 1 early.
     top_p = torch.tensor(
         [p.top_p - _TOP_P_SLACK if p.top_p < 1.0 else math.inf for p in params],
         dtype=probs.dtype,
-    )
-    drop |= before >= top_p.view(num_rows, 1)
+    ).view(num_rows, 1)
+    drop |= before >= top_p
     drop[:, 0] = False  # the top token always stays, whatever top_p and the rounding say
-    x.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), -math.inf)
+    covered = (cum[:, -1:] >= top_p).view(-1)
+    return ~drop, covered
 
 
 def _log(value: float) -> float:

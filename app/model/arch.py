@@ -66,6 +66,11 @@ class ArchConfig:
     def from_hf_config(cls, c: dict[str, Any]) -> ArchConfig:
         """From the fields of a transformers config.json."""
         model_type = c.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         heads = c["num_attention_heads"]
         rope_scaling = c.get("rope_scaling")
         rope_theta = c.get("rope_theta")
