@@ -14,7 +14,6 @@ import argparse
 import itertools
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -191,15 +190,12 @@ def best(fn, repeats: int, key: str = "tok_s", lower: bool = False):
     return (min if lower else max)(runs, key=lambda r: r[key])
 
 
-def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def peak_rss_child(kv_bytes: int, max_tokens: int) -> dict:
     """Peak RSS of a fresh process that loads the model with a `kv_bytes` cache and
-    serves 64 requests (so that the cache is really written)."""
+    serves 64 requests (so that the cache is really written). Read from VmHWM: a child's
+    ru_maxrss starts from its parent's peak (Linux carries it across fork and exec)."""
     code = f"""
-import json, resource, sys
+import json, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 import torch
 torch.set_num_threads(2)
@@ -207,9 +203,10 @@ from bench.engine_throughput import short_prompts, parley_batch
 from app.config import CacheConfig, EngineConfig
 from app.engine.engine import LLMEngine
 e = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_bytes={kv_bytes})))
-weights = sum(p.numel() * p.element_size() for p in e.model.parameters())
+weights = e.model_bytes
 parley_batch(e, short_prompts(e.tokenizer, 64), {max_tokens})
-print(json.dumps({{"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({{"peak_rss_mib": int(hwm.split()[1]) / 1024,
                   "weights_mib": weights / 2**20, "kv_mib": e.kv_cache.nbytes / 2**20,
                   "kv_used_blocks_peak_note": "64 x (40 + {max_tokens}) tokens written"}}))
 """

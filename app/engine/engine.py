@@ -91,6 +91,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self._resolve_max_model_len(loaded)
         dtype = getattr(torch, config.model.dtype)
+        self.model_bytes = sum(w.numel() * w.element_size() for w in loaded.weights.values())
         self.model = LlamaModel.from_weights(loaded.arch, loaded.weights, self.max_model_len)
         self.model.to(config.device)
         if torch.device(config.device).type == "cpu":

@@ -4,6 +4,9 @@ Layout per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim];
 slot = block_id * block_size + offset. All layers live in one tensor
 [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] so the memory is taken
 once and its size is exactly what was asked for (rounded down to whole blocks).
+
+Measured and rejected: K and V of a token side by side in one tensor (one gather instead
+of two) made a 32-sequence decode step ~15% slower end to end on 2 CPU cores.
 """
 
 from __future__ import annotations
