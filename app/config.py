@@ -74,12 +74,15 @@ class CacheConfig:
     kv_cache_bytes: int = 1 * GiB
     block_size: int = 16
     enable_prefix_caching: bool = True
+    session_ttl_s: float = 1800.0  # an idle conversation's pinned K/V is let go after this
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be positive")
+        if self.session_ttl_s <= 0:
+            raise ValueError("session_ttl_s must be positive")
 
 
 @dataclass(frozen=True)

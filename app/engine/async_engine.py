@@ -65,6 +65,22 @@ class AsyncEngine:
             self._thread = None
 
     @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
@@ -75,6 +91,7 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Leaving the loop early (break,
         cancellation, an exception in the consumer) aborts the request.
@@ -84,7 +101,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        req = self.engine.make_request(prompt, params, request_id)
+        req = self.engine.make_request(prompt, params, request_id, session_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             if req.request_id in self._streams:
@@ -117,6 +134,11 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def release_session(self, session_id: str) -> None:
+        """Free a session's pinned blocks before the next step. Thread-safe."""
+        self._inbox.put(("release", session_id))
+        self._wake.set()
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -127,9 +149,11 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.housekeeping()
                     if self._idle_check_s:
                         self.engine.check_integrity()
-                    self._wake.wait(self._idle_check_s or None)
+                    # Wake at least once a minute for housekeeping (pins expire).
+                    self._wake.wait(self._idle_check_s or 60.0)
                     self._wake.clear()
                     continue
                 try:
@@ -144,6 +168,7 @@ class AsyncEngine:
             self._fail_streams(EngineDeadError(f"engine loop died: {exc!r}"))
             raise
         finally:
+            self._drain_inbox()  # releases and aborts sent before stop() still apply
             for request_id in list(self.engine.requests):
                 self.engine.abort(request_id)
             self._fail_streams(EngineDeadError("the engine stopped"))
@@ -162,6 +187,8 @@ class AsyncEngine:
                     self._deliver_error(payload.request_id, exc)
             elif kind == "abort":
                 self.engine.abort(str(payload))
+            elif kind == "release":
+                self.engine.release_session(str(payload))
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         for request_id in list(self.engine.requests):

@@ -74,6 +74,10 @@ class EngineStats:
     num_preemptions: int
     prefix_queries: int
     prefix_hits: int
+    pin_hits: int
+    sessions_pinned: int
+    pinned_blocks: int
+    session_unpins: dict[str, int]
     steps: int
 
 
@@ -109,6 +113,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        self._next_housekeeping = 0.0
         log.info(
             "engine ready: %s, max_model_len %d, KV cache %d blocks x %d tokens (%.0f MiB)",
             self.model_name,
@@ -135,9 +140,11 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        session_id: str | None = None,
     ) -> Request:
         """Validate and tokenize; touches no engine state, so any thread may call it.
-        Raises ValueError with a message fit for the user."""
+        Raises ValueError with a message fit for the user. A `session_id` keeps the
+        request's K/V pinned for that session's next turn (see session_pins)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -164,7 +171,12 @@ class LLMEngine:
         room = min(self.max_model_len, capacity) - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(
-            request_id or uuid.uuid4().hex, token_ids, params, max_tokens, self.eos_token_ids
+            request_id or uuid.uuid4().hex,
+            token_ids,
+            params,
+            max_tokens,
+            self.eos_token_ids,
+            session_id,
         )
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens
@@ -182,11 +194,12 @@ class LLMEngine:
         request_id: str | None,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
+        session_id: str | None = None,
     ) -> Request:
         """Queue a generation. Returns the request (its id is generated when None)."""
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.make_request(prompt, params, request_id)
+        req = self.make_request(prompt, params, request_id, session_id)
         self.add(req)
         return req
 
@@ -200,13 +213,29 @@ class LLMEngine:
         self._aborted.append(self._output(req, "", []))
         return True
 
+    def release_session(self, session_id: str) -> bool:
+        """Free a session's pinned blocks now (a deleted conversation)."""
+        return self.kv.pins.release(session_id, "released")
+
+    def expire_sessions(self, ttl_s: float) -> int:
+        """Unpin sessions idle for longer than `ttl_s`."""
+        return self.kv.pins.expire(ttl_s)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
 
     # -- the step ------------------------------------------------------------------------
 
+    def housekeeping(self) -> None:
+        """Periodic chores, at most once a second: let go of expired session pins."""
+        now = time.monotonic()
+        if now >= self._next_housekeeping:
+            self._next_housekeeping = now + 1.0
+            self.kv.pins.expire(self.config.cache.session_ttl_s, now)
+
     def step(self) -> list[RequestOutput]:
         """Run one batch; return what it produced."""
+        self.housekeeping()
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
         if not sched.is_empty:
@@ -278,6 +307,10 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits,
+            pin_hits=s.pin_hits,
+            sessions_pinned=len(self.kv.pins),
+            pinned_blocks=self.kv.pins.num_blocks,
+            session_unpins=dict(self.kv.pins.unpins),
             steps=s.steps,
         )
 

@@ -1,8 +1,12 @@
-"""Block tables of requests, and the prefix cache that lets them share blocks.
+"""Block tables of requests, and the two ways a request finds its prefix already computed.
 
-A full block is named by a hash chained from its parent's hash and its own token ids, so
-equal hashes mean equal prefixes, not just equal blocks. A new request looks its blocks up
-by hash and starts with as many computed tokens as the longest run of hits covers.
+1. The prefix cache. A full block is named by a hash chained from its parent's hash and
+   its own token ids, so equal hashes mean equal prefixes, not just equal blocks.
+2. Session pins. A conversation keeps the blocks of its last turn (prompt and reply, the
+   partial last block included) and the token ids they hold. Its next turn reuses the
+   longest common token prefix with the pin, to the token, not to the block.
+
+A new request starts with whichever covers more.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter
+from dataclasses import dataclass
 
 from app.engine.block_pool import Block, BlockPool
 from app.engine.request import Request
+from app.engine.session_pins import SessionPins
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -20,6 +26,15 @@ def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+@dataclass
+class ComputedPrefix:
+    """What a new request can skip: `num_tokens` tokens whose K/V are in `blocks`."""
+
+    blocks: list[Block]
+    num_tokens: int
+    from_pin: bool = False
 
 
 class KVCacheManager:
@@ -30,6 +45,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.pins = SessionPins(pool, block_size)
         self._tables: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a table already cached
 
@@ -43,42 +59,47 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
-    def get_computed_blocks(self, request: Request) -> list[Block]:
-        """The longest run of cached blocks that prefixes the request's tokens. At least
-        one token is always left to compute: its logits give the next token."""
-        if not self.enable_prefix_caching:
-            return []
-        self._update_hashes(request)
-        limit = (request.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for h in request.block_hashes[:limit]:
-            block = self.pool.get_cached(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+    def get_computed(self, request: Request) -> ComputedPrefix:
+        """The longest already-computed prefix of the request's tokens. At least one token
+        is always left to compute: its logits give the next token."""
+        limit = request.num_tokens - 1
+        best = ComputedPrefix([], 0)
+        if self.enable_prefix_caching:
+            self._update_hashes(request)
+            for h in request.block_hashes[: limit // self.block_size]:
+                block = self.pool.get_cached(h)
+                if block is None:
+                    break
+                best.blocks.append(block)
+            best.num_tokens = len(best.blocks) * self.block_size
+        if request.session_id is not None:
+            blocks, n = self.pins.lookup(request.session_id, request.all_token_ids, limit)
+            if n > best.num_tokens:
+                best = ComputedPrefix(blocks, n, from_pin=True)
+        return best
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: list[Block] | None = None
+        self, request: Request, num_new_tokens: int, computed: ComputedPrefix | None = None
     ) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after taking the
-        cache hits `computed`, which must extend its table). False: not enough memory;
-        nothing changed."""
-        computed = computed or []
+        computed prefix, which must start its table). False: not enough memory; nothing
+        changed."""
+        hits = computed.blocks if computed else []
         table = self._tables.get(request.request_id, [])
-        total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        needed = self.num_blocks_for(total) - len(table) - len(computed)
+        done = computed.num_tokens if computed else request.num_computed_tokens
+        needed = self.num_blocks_for(done + num_new_tokens) - len(table) - len(hits)
         # Hits sitting in the free queue leave it when touched: they are not spare memory.
-        revived = sum(1 for b in computed if b.ref_count == 0)
+        revived = sum(1 for b in hits if b.ref_count == 0)
         if needed > self.pool.num_free_blocks - revived:
             return False
-        self.pool.touch(computed)
+        self.pool.touch(hits)
         table = self._tables.setdefault(request.request_id, table)
-        table.extend(computed)
-        self._num_hashed.setdefault(request.request_id, 0)
-        self._num_hashed[request.request_id] += len(computed)
+        table.extend(hits)
+        if computed is not None:
+            self._num_hashed[request.request_id] = computed.num_tokens // self.block_size
         if needed > 0:
             table.extend(self.pool.allocate(needed))
         return True
@@ -104,8 +125,23 @@ class KVCacheManager:
         self._num_hashed.pop(request.request_id, None)
         self.pool.free(reversed(table))
 
+    def free_or_pin(self, request: Request) -> None:
+        """At the end of a request: a session's request hands its computed blocks to the
+        session's pin (replacing the old pin); any other request frees them."""
+        if request.session_id is None:
+            self.free(request)
+            return
+        table = self._tables.pop(request.request_id, [])
+        self._num_hashed.pop(request.request_id, None)
+        tokens = request.all_token_ids[: request.num_computed_tokens]
+        keep = self.num_blocks_for(len(tokens))
+        self.pool.free(reversed(table[keep:]))  # a block allocated for the next token
+        self.pins.pin(request.session_id, table[:keep], tokens)
+
     def holders(self) -> Counter[int]:
-        return Counter(b.block_id for table in self._tables.values() for b in table)
+        held = Counter(b.block_id for table in self._tables.values() for b in table)
+        held.update(self.pins.holders())
+        return held
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.holders())

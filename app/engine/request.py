@@ -153,8 +153,10 @@ class Request:
         params: SamplingParams,
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        session_id: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.session_id = session_id  # a conversation whose K/V stays pinned between turns
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)

@@ -11,7 +11,8 @@ Each step the scheduler hands out up to `max_num_batched_tokens` tokens:
 
 While anything decodes, a prefill chunk is capped (see SchedulerConfig and _chunk): every
 decoder waits for the whole step, so a long prompt must arrive in bites small enough to
-keep their inter-token latency even. When blocks run out the newest running request is preempted:
+keep their inter-token latency even. When blocks run out, idle sessions lose their pins
+first (least recently active first), then the newest running request is preempted:
 its blocks are freed (their hashes stay, so its recompute is mostly cache hits) and it goes
 back to the front of the waiting queue.
 """
@@ -23,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from app.config import SchedulerConfig
-from app.engine.kv_manager import KVCacheManager
+from app.engine.kv_manager import ComputedPrefix, KVCacheManager
 from app.engine.request import FinishReason, Request, RequestStatus
 
 # A prompt token attending to this many earlier tokens costs about twice one attending to
@@ -75,6 +76,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # ... found there
+    pin_hits: int = 0  # ... found in their session's pin
     steps: int = 0
 
 
@@ -125,14 +127,19 @@ class Scheduler:
             and len(self.running) < self.cfg.max_num_seqs
         ):
             req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req)
-            num_hit = len(hits) * self.kv.block_size
+            computed = self.kv.get_computed(req)
+            num_hit = computed.num_tokens
             n = self._chunk(num_hit, req.num_tokens, prefill_budget, decoding)
-            if not self.kv.allocate_slots(req, n, hits):
+            if not self._allocate(req, n, computed):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if req.session_id is not None:
+                self.kv.pins.consume(req.session_id)
             self.stats.prefix_queries += req.num_tokens
-            self.stats.prefix_hits += num_hit
+            if computed.from_pin:
+                self.stats.pin_hits += num_hit
+            else:
+                self.stats.prefix_hits += num_hit
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:  # a resumed request keeps its first figure
@@ -154,10 +161,24 @@ class Scheduler:
             n = min(n, max(1, int(cap)))
         return n
 
+    def _allocate(self, req: Request, n: int, computed: ComputedPrefix | None = None) -> bool:
+        """allocate_slots, unpinning idle sessions (least recently active first) while
+        memory is short."""
+        if self.kv.allocate_slots(req, n, computed):
+            return True
+        # Sessions whose next turn is queued lose their pins last, not never: a pin must
+        # not block the very request it waits behind.
+        protected = {r.session_id for r in self.waiting if r.session_id is not None}
+        while self.kv.pins.evict_oldest(protected) or self.kv.pins.evict_oldest():
+            if self.kv.allocate_slots(req, n, computed):
+                return True
+        return False
+
     def _grant(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[str]) -> bool:
-        """Allocate n more tokens for a running request, preempting the newest requests
-        not yet scheduled this step (possibly `req` itself) until it fits."""
-        while not self.kv.allocate_slots(req, n):
+        """Allocate n more tokens for a running request, first unpinning idle sessions,
+        then preempting the newest requests not yet scheduled this step (possibly `req`
+        itself) until it fits."""
+        while not self._allocate(req, n):
             victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
             self._preempt(victim)
             out.preempted.append(victim.request_id)
@@ -183,13 +204,16 @@ class Scheduler:
             self.kv.cache_full_blocks(s.request)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
-        """Stop a request for good and free its blocks (any status)."""
+        """Stop a request for good (any status). Its blocks are freed, or become its
+        session's pin (what it computed stays valid even when it was cancelled)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.kv.free(req)
+            if reason is FinishReason.ERROR:
+                self.kv.free(req)
+            else:
+                self.kv.free_or_pin(req)
         elif req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-            self.kv.free(req)  # a waiting request holds no blocks; harmless
+            self.waiting.remove(req)  # holds no blocks; its session keeps its old pin
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.timings.finished = time.monotonic()
