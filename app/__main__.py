@@ -1,45 +1,93 @@
-"""python -m app: Parley from the command line.
+"""python -m app (or `parley`): serve the chat page, /ws and the engine with uvicorn.
 
-    python -m app --prompt "What is the capital of France?"
+    python -m app                         # http://127.0.0.1:8000
+    python -m app --prompt "Hello!"       # one reply in the terminal, no server
 
-generates one chat reply offline, streaming it to the terminal. (The chat server comes
-with the server package.)
+Every flag has an environment variable: PARLEY_ and the flag's name in capitals
+(--kv-cache-size -> PARLEY_KV_CACHE_SIZE); a flag given on the command line wins.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
 from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 
+FLAGS: list[tuple[str, dict]] = [
+    ("--model", dict(help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")),
+    ("--host", dict(default="127.0.0.1", help="address to listen on")),
+    ("--port", dict(type=int, default=8000)),
+    ("--kv-cache-size", dict(type=parse_size, default="1GiB", help="e.g. 512MiB, 2GiB")),
+    ("--block-size", dict(type=int, default=16, help="tokens per KV block")),
+    ("--max-num-seqs", dict(type=int, default=64, help="requests in one batch")),
+    ("--max-num-batched-tokens", dict(type=int, default=2048, help="tokens in one step")),
+    ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
+    ("--max-turns-per-socket", dict(type=int, default=8)),
+    ("--threads", dict(type=int, default=None, help="torch threads (default: cores)")),
+    ("--log-level", dict(default="info")),
+    ("--prompt", dict(help="print the reply to this user message and exit (no server)")),
+    ("--system", dict(help="a system prompt for --prompt")),
+    ("--max-tokens", dict(type=int, default=256, help="reply length for --prompt")),
+    ("--temperature", dict(type=float, default=0.0, help="for --prompt; 0 is greedy")),
+]
+
+
+def env_name(flag: str) -> str:
+    return "PARLEY_" + flag.lstrip("-").replace("-", "_").upper()
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="parley", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", help="a user message: print the model's reply and exit")
-    p.add_argument("--system", help="a system prompt for --prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--kv-cache-size", type=parse_size, default="1GiB", help="e.g. 512MiB, 2GiB")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
-    p.add_argument("--log-level", default="warning")
+    p = argparse.ArgumentParser(prog="parley", description="Parley: a chat server for LLMs.")
+    for flag, kw in FLAGS:
+        kw = dict(kw)
+        env = os.environ.get(env_name(flag))
+        if env is not None:
+            kw["default"] = env  # argparse applies `type` to string defaults too
+        kw["help"] = (kw.get("help", "") + f" [env {env_name(flag)}]").strip()
+        p.add_argument(flag, **kw)
     return p
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model),
-        cache=CacheConfig(kv_cache_bytes=args.kv_cache_size, block_size=args.block_size),
+        cache=CacheConfig(
+            kv_cache_bytes=args.kv_cache_size,
+            block_size=args.block_size,
+            session_ttl_s=args.session_ttl,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
         num_threads=args.threads,
+    )
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from app.server.app import ServerConfig, create_app
+    from app.server.protocol import MAX_FRAME_BYTES
+    from app.server.turns import ChatConfig
+
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        chat=ChatConfig(max_turns_per_socket=args.max_turns_per_socket),
+    )
+    app = create_app(engine_config(args), server)
+    print(f"Parley: open http://{args.host}:{args.port}/ in a browser", file=sys.stderr)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        ws_max_size=MAX_FRAME_BYTES,
     )
 
 
@@ -66,17 +114,21 @@ def generate_once(args: argparse.Namespace) -> None:
         rate = (out.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
         print(
             f"[{out.prompt_tokens} prompt tokens, {out.completion_tokens} generated, "
-            f"TTFT {t.ttft_s * 1000:.0f} ms, {rate:.1f} tok/s, finish: {out.finish_reason}]",
+            f"TTFT {(t.ttft_s or 0) * 1000:.0f} ms, {rate:.1f} tok/s, "
+            f"finish: {out.finish_reason}]",
             file=sys.stderr,
         )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.prompt is None:
-        build_parser().error("give --prompt (the chat server is not part of this build yet)")
-    generate_once(args)
+    logging.basicConfig(
+        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.prompt is not None:
+        generate_once(args)
+    else:
+        serve(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""Messages -> token ids through the tokenizer's chat template, splicing in the model's
+own token ids for replies it generated.
+
+Re-tokenizing a reply's text need not give back the ids the model produced ("Par" + "is"
+may come back as "Paris"), and the first differing token would end the reuse of the
+conversation's pinned K/V right there. So each assistant message whose text equals a reply
+this conversation generated goes in as the generated ids: reuse stays token-exact and the
+prompt is what the model actually saw.
+
+How: the template is rendered with a unique marker in place of each such reply, the text
+between markers is tokenized piece by piece, and the ids go in between. In ChatML (and most
+templates) a reply sits between a newline and an end-of-turn special token, both of which
+end a pre-token, so tokenizing in pieces gives the same ids as tokenizing the whole.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ROLES = ("system", "user", "assistant")
+_MARK = "\ue000parley-reply-{}\ue001"  # private-use characters: never in real text
+_MARK_RE = re.compile("\ue000parley-reply-(\\d+)\ue001")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+class ChatPrompt:
+    """Builds prompts for one tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template")
+
+    def render(
+        self, messages: Sequence[Message], generated: Mapping[str, list[int]] | None = None
+    ) -> list[int]:
+        """Token ids of `messages`, ready for the assistant's reply. `generated` maps a
+        reply's text to the ids the model produced for it."""
+        generated = generated or {}
+        spliced: list[list[int]] = []
+        items = []
+        for m in messages:
+            content = m.content
+            if m.role == "assistant" and content in generated and content:
+                content = _MARK.format(len(spliced))
+                spliced.append(generated[m.content])
+            items.append({"role": m.role, "content": content})
+        text = self.tokenizer.apply_chat_template(items, tokenize=False, add_generation_prompt=True)
+        ids: list[int] = []
+        pos = 0
+        for match in _MARK_RE.finditer(text):
+            ids += self._encode(text[pos : match.start()])
+            ids += spliced[int(match.group(1))]
+            pos = match.end()
+        ids += self._encode(text[pos:])
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []

@@ -1,0 +1,97 @@
+"""create_app(): the Starlette application. Its lifespan owns the engine: it loads the
+model, starts the engine loop, hands the chat service to handlers as state, and stops the
+loop on shutdown (no thread or task left behind)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from app.config import EngineConfig
+from app.server.turns import ChatConfig, ChatService
+from app.server.ws import ws_endpoint
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+STATIC_DIR = ROOT / "static"
+TEMPLATES_DIR = ROOT / "templates"
+
+# The page runs only our own scripts and styles: no inline script, no third-party origin.
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; "
+    "form-action 'self'"
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The web side: where to listen and per-connection limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    chat: ChatConfig = field(default_factory=ChatConfig)
+
+
+def create_app(
+    engine_config: EngineConfig | None = None,
+    server_config: ServerConfig | None = None,
+    engine: Any = None,
+) -> Starlette:
+    """Build the app. `engine` (an AsyncEngine or a fake with its interface) replaces the
+    one the lifespan would otherwise build from `engine_config`."""
+    server_config = server_config or ServerConfig()
+    templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        eng = engine
+        if eng is None:
+            eng = await asyncio.to_thread(_build_engine, engine_config or EngineConfig())
+        eng.start()
+        try:
+            yield {"chat": ChatService(eng, server_config.chat), "engine": eng}
+        finally:
+            await eng.stop()
+
+    async def index(request: Request) -> Response:
+        engine_ = request.state.engine
+        response = templates.TemplateResponse(
+            request,
+            "index.html",
+            {"model_name": getattr(engine_, "model_name", "model")},
+        )
+        response.headers["Content-Security-Policy"] = CSP
+        return response
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    routes = [
+        Route("/", index),
+        Route("/health", health),
+        WebSocketRoute("/ws", ws_endpoint),
+        Mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static"),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _build_engine(config: EngineConfig):
+    from app.engine.async_engine import AsyncEngine
+    from app.engine.engine import LLMEngine
+
+    return AsyncEngine(LLMEngine(config))

@@ -1,0 +1,285 @@
+"""The /ws protocol: JSON text frames, parsed and validated into dataclasses.
+
+Client -> server
+    chat    {id, conversation_id, messages | content, system?, params?}
+    cancel  {id}
+    delete  {conversation_id}
+    ping    {}
+Server -> client
+    start   {id, conversation_id, prompt_tokens, cached_tokens}
+    token   {id, seq, text}
+    done    {id, finish_reason, usage, timings}
+    error   {id | null, code, message, retryable}
+    deleted {conversation_id}
+    pong    {}
+
+Every turn gets exactly one terminal frame (`done` or `error`). Errors a client can cause
+raise ProtocolError with a code and a message fit to show; nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from app.chat.prompt import ROLES, Message
+from app.engine.request import SamplingParams
+
+MAX_FRAME_BYTES = 1 << 20
+MAX_ID_LENGTH = 128
+MAX_MESSAGES = 1000
+DEFAULT_MAX_TOKENS = 512
+
+# Error codes.
+BAD_REQUEST = "bad_request"  # malformed frame or field
+UNKNOWN_TYPE = "unknown_type"
+TOO_LARGE = "too_large"  # frame over MAX_FRAME_BYTES
+TOO_LONG = "context_length_exceeded"  # conversation over the context window
+DUPLICATE_ID = "duplicate_id"
+UNKNOWN_ID = "unknown_id"  # cancel of an id that is not in flight
+CONVERSATION_BUSY = "conversation_busy"  # a turn of that conversation is in flight
+TOO_MANY_TURNS = "too_many_turns"  # per-socket limit of turns in flight
+BUSY = "busy"  # the server is overloaded: retry later
+INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A frame we refuse, with what to tell the client."""
+
+    def __init__(
+        self, code: str, message: str, id: str | None = None, retryable: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+        self.retryable = retryable
+
+
+@dataclass
+class ChatFrame:
+    id: str
+    conversation_id: str
+    messages: list[Message] | None  # the whole history (the client's truth) ...
+    content: str | None  # ... or just the next user message
+    system: str | None
+    params: SamplingParams
+    cache: bool = True  # False: no K/V kept for this conversation (for comparisons)
+
+
+@dataclass
+class CancelFrame:
+    id: str
+
+
+@dataclass
+class DeleteFrame:
+    conversation_id: str
+
+
+@dataclass
+class PingFrame:
+    pass
+
+
+Frame = ChatFrame | CancelFrame | DeleteFrame | PingFrame
+
+# Sampling parameters a client may set, and their JSON types.
+_PARAMS: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "max_tokens": (int,),
+    "seed": (int,),
+    "stop": (str, list),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "repetition_penalty": (int, float),
+}
+
+
+def parse_frame(raw: str | bytes, max_tokens_limit: int) -> Frame:
+    """Parse one text frame. Raises ProtocolError."""
+    if isinstance(raw, bytes):
+        raise ProtocolError(BAD_REQUEST, "binary frames are not accepted: send JSON text")
+    if len(raw) > MAX_FRAME_BYTES:  # characters <= bytes: a cheap first check
+        raise ProtocolError(TOO_LARGE, f"frame larger than {MAX_FRAME_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ProtocolError(BAD_REQUEST, f"malformed JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(BAD_REQUEST, "a frame must be a JSON object")
+    kind = data.get("type")
+    frame_id = data.get("id") if isinstance(data.get("id"), str) else None
+    if kind == "chat":
+        return _chat(data, max_tokens_limit)
+    if kind == "cancel":
+        return CancelFrame(_id(data, "id"))
+    if kind == "delete":
+        return DeleteFrame(_id(data, "conversation_id"))
+    if kind == "ping":
+        return PingFrame()
+    raise ProtocolError(UNKNOWN_TYPE, f"unknown frame type {kind!r}", frame_id)
+
+
+def _id(data: dict[str, Any], key: str, frame_id: str | None = None) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(BAD_REQUEST, f"'{key}' must be a non-empty string", frame_id)
+    if len(value) > MAX_ID_LENGTH:
+        raise ProtocolError(BAD_REQUEST, f"'{key}' is limited to {MAX_ID_LENGTH} characters")
+    return value
+
+
+def _chat(data: dict[str, Any], max_tokens_limit: int) -> ChatFrame:
+    frame_id = _id(data, "id")
+    conversation_id = _id(data, "conversation_id", frame_id)
+
+    def fail(message: str) -> ProtocolError:
+        return ProtocolError(BAD_REQUEST, message, frame_id)
+
+    messages = data.get("messages")
+    content = data.get("content")
+    if (messages is None) == (content is None):
+        raise fail("give exactly one of 'messages' (the history) or 'content'")
+    if content is not None and not isinstance(content, str):
+        raise fail("'content' must be a string")
+    parsed: list[Message] | None = None
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise fail("'messages' must be a non-empty list")
+        if len(messages) > MAX_MESSAGES:
+            raise fail(f"at most {MAX_MESSAGES} messages")
+        parsed = [_message(m, i, fail) for i, m in enumerate(messages)]
+        if parsed[-1].role != "user":
+            raise fail("the last message must be the user's")
+    system = data.get("system")
+    if system is not None and not isinstance(system, str):
+        raise fail("'system' must be a string")
+    cache = data.get("cache", True)
+    if not isinstance(cache, bool):
+        raise fail("'cache' must be true or false")
+    return ChatFrame(
+        id=frame_id,
+        conversation_id=conversation_id,
+        messages=parsed,
+        content=content,
+        system=system,
+        params=_params(data.get("params"), max_tokens_limit, fail),
+        cache=cache,
+    )
+
+
+def _message(m: Any, i: int, fail) -> Message:
+    if not isinstance(m, dict):
+        raise fail(f"messages[{i}] must be an object with 'role' and 'content'")
+    role, content = m.get("role"), m.get("content")
+    if role not in ROLES:
+        raise fail(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}")
+    if not isinstance(content, str):
+        raise fail(f"messages[{i}].content must be a string")
+    return Message(role, content)
+
+
+def _params(raw: Any, max_tokens_limit: int, fail) -> SamplingParams:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise fail("'params' must be an object")
+    unknown = set(raw) - set(_PARAMS)
+    if unknown:
+        raise fail(f"unknown params: {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, _PARAMS[key]):
+            raise fail(f"params.{key} has the wrong type ({type(value).__name__})")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise fail(f"params.{key} must be finite")
+        values[key] = value
+    values.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, max_tokens_limit))
+    if isinstance(values["max_tokens"], int) and values["max_tokens"] > max_tokens_limit:
+        raise fail(f"params.max_tokens is limited to {max_tokens_limit}")
+    stop = values.get("stop")
+    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+        raise fail("params.stop must be a string or a list of strings")
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        raise fail(f"params: {exc}") from None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass
+class Timings:
+    ttft_ms: float | None
+    tokens_per_s: float | None
+    queue_ms: float | None
+    total_ms: float | None
+
+    def to_dict(self) -> dict[str, float | None]:
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 1)
+
+        return {k: r(v) for k, v in self.__dict__.items()}
+
+
+def start_frame(id: str, conversation_id: str, prompt_tokens: int, cached_tokens: int) -> str:
+    return _dump(
+        type="start",
+        id=id,
+        conversation_id=conversation_id,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+    )
+
+
+def token_frame(id: str, seq: int, text: str) -> str:
+    return _dump(type="token", id=id, seq=seq, text=text)
+
+
+def done_frame(id: str, finish_reason: str, usage: Usage, timings: Timings) -> str:
+    return _dump(
+        type="done",
+        id=id,
+        finish_reason=finish_reason,
+        usage=usage.to_dict(),
+        timings=timings.to_dict(),
+    )
+
+
+def error_frame(err: ProtocolError) -> str:
+    return _dump(
+        type="error", id=err.id, code=err.code, message=err.message, retryable=err.retryable
+    )
+
+
+def deleted_frame(conversation_id: str) -> str:
+    return _dump(type="deleted", conversation_id=conversation_id)
+
+
+def pong_frame() -> str:
+    return _dump(type="pong")
+
+
+def _dump(**fields: Any) -> str:
+    return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))

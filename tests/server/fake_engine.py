@@ -1,0 +1,85 @@
+"""A fake engine with AsyncEngine's interface: canned replies, fast protocol tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from app.engine.engine import RequestOutput
+from app.engine.request import FinishReason, SamplingParams, Timings
+
+
+class FakeEngine:
+    """Replies with the words of `reply` (default: echoes the prompt's length), one word
+    per output every `delay` seconds. Records what it was asked, for assertions."""
+
+    def __init__(self, tokenizer, delay: float = 0.001, reply: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = 2048
+        self.eos_token_ids = frozenset({tokenizer.eos_token_id})
+        self.model_name = "fake"
+        self.delay = delay
+        self.reply = reply
+        self.running = False
+        self.live: set[str] = set()
+        self.aborted: set[str] = set()
+        self.released: list[str] = []
+        self.sessions: dict[str, str | None] = {}  # request id -> session id
+        self.prompts: dict[str, list[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+
+    def start(self) -> None:
+        self.running = True
+
+    async def stop(self) -> None:
+        self.running = False
+
+    @property
+    def is_running(self) -> bool:
+        return self.running
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def release_session(self, session_id: str) -> None:
+        self.released.append(session_id)
+
+    async def generate(self, prompt, params: SamplingParams, request_id=None, session_id=None):
+        if len(prompt) >= self.max_model_len:
+            raise ValueError("the prompt is too long for the context")
+        self.live.add(request_id)
+        self.sessions[request_id] = session_id
+        self.prompts[request_id] = list(prompt)
+        self.params[request_id] = params
+        words = (self.reply or f"reply to {len(prompt)} tokens").split(" ")
+        timings = Timings()
+        n = 0
+        try:
+            for i, word in enumerate(words[: params.max_tokens]):
+                await asyncio.sleep(self.delay)
+                if request_id in self.aborted:
+                    break
+                n += 1
+                timings.first_token = timings.first_token or time.monotonic()
+                last = i == len(words) - 1 or n == params.max_tokens
+                if last:
+                    timings.finished = time.monotonic()
+                yield self._out(
+                    request_id,
+                    prompt,
+                    word if i == 0 else " " + word,
+                    n,
+                    last,
+                    FinishReason.STOP if last else None,
+                    timings,
+                )
+                if last:
+                    return
+            timings.finished = time.monotonic()
+            yield self._out(request_id, prompt, "", n, True, FinishReason.ABORT, timings)
+        finally:
+            self.live.discard(request_id)
+
+    def _out(self, rid, prompt, text, n, finished, reason, timings) -> RequestOutput:
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return RequestOutput(rid, text, ids, finished, reason, len(prompt), 0, n, timings)
