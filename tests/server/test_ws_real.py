@@ -1,6 +1,7 @@
 """/ws with the real model: multi-turn reuse, many sockets, a clean pool, KV pressure."""
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -97,6 +98,8 @@ def test_four_turns_reuse_the_previous_turn_and_match_uncached(smollm, uncached)
         ws.send_json({"type": "delete", "conversation_id": "conv"})
         assert ws.receive_json()["type"] == "deleted"
         assert wait_all_free(engine.engine)
+    # The lifespan stopped the engine: no loop thread is left behind.
+    assert not any(t.name == "parley-engine" for t in threading.enumerate())
 
 
 def test_two_conversations_per_socket_and_ten_sockets(smollm, uncached):

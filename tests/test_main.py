@@ -1,0 +1,31 @@
+"""python -m app: flags, environment variables, sizes."""
+
+import pytest
+
+from app.__main__ import build_parser, engine_config
+from app.config import parse_size
+
+
+def test_environment_sets_defaults_and_flags_win(monkeypatch):
+    monkeypatch.setenv("PARLEY_KV_CACHE_SIZE", "256MiB")
+    monkeypatch.setenv("PARLEY_PORT", "9001")
+    args = build_parser().parse_args([])
+    assert args.kv_cache_size == 256 << 20 and args.port == 9001
+    args = build_parser().parse_args(["--port", "9002", "--max-num-seqs", "4"])
+    assert args.port == 9002
+    config = engine_config(args)
+    assert config.cache.kv_cache_bytes == 256 << 20 and config.scheduler.max_num_seqs == 4
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1024", 1024), ("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000)],
+)
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GiB", "5XB"])
+def test_bad_sizes(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
