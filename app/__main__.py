@@ -27,6 +27,14 @@ FLAGS: list[tuple[str, dict]] = [
     ("--max-num-batched-tokens", dict(type=int, default=2048, help="tokens in one step")),
     ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
     ("--max-turns-per-socket", dict(type=int, default=8)),
+    ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
+    (
+        "--otlp-endpoint",
+        dict(
+            default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+            help="send OpenTelemetry traces here (needs parley[tracing])",
+        ),
+    ),
     ("--threads", dict(type=int, default=None, help="torch threads (default: cores)")),
     ("--log-level", dict(default="info")),
     ("--prompt", dict(help="print the reply to this user message and exit (no server)")),
@@ -61,7 +69,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             session_ttl_s=args.session_ttl,
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting,
         ),
         num_threads=args.threads,
     )
@@ -79,6 +89,7 @@ def serve(args: argparse.Namespace) -> None:
         port=args.port,
         log_level=args.log_level,
         chat=ChatConfig(max_turns_per_socket=args.max_turns_per_socket),
+        otlp_endpoint=args.otlp_endpoint,
     )
     app = create_app(engine_config(args), server)
     print(f"Parley: open http://{args.host}:{args.port}/ in a browser", file=sys.stderr)

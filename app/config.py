@@ -100,6 +100,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_while_decoding: int = 48
+    max_waiting: int = 256  # requests queued beyond a full batch; more are refused at once
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -111,6 +112,8 @@ class SchedulerConfig:
             )
         if self.prefill_chunk_while_decoding < 1:
             raise ValueError("prefill_chunk_while_decoding must be at least 1")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """More requests are in flight than the engine will queue: retry later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -47,6 +55,12 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._idle_check_s = idle_check_s  # > 0: check_integrity() when idle (debug)
         self.error: BaseException | None = None  # set if the loop itself died
+        # Admission control: a batch's worth running plus a bounded queue; beyond that a
+        # new request is refused at once instead of waiting without limit.
+        sched = engine.config.scheduler
+        self.capacity = sched.max_num_seqs + sched.max_waiting
+        self.num_in_flight = 0  # generate() calls under way (touched on the event loop)
+        self._stats = engine.stats()  # a snapshot the engine thread refreshes
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -96,11 +110,17 @@ class AsyncEngine:
         """Stream a request's outputs until it finishes. Leaving the loop early (break,
         cancellation, an exception in the consumer) aborts the request.
 
-        Raises ValueError for invalid input (before anything is queued) and
-        EngineDeadError when the loop is not running.
+        Raises ValueError for invalid input (before anything is queued),
+        EngineOverloadedError when the queue is full and EngineDeadError when the loop
+        is not running.
         """
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
+        if self.num_in_flight >= self.capacity:
+            raise EngineOverloadedError(
+                f"the server is busy: {self.num_in_flight} requests in flight "
+                f"(at most {self.capacity}); retry shortly"
+            )
         req = self.engine.make_request(prompt, params, request_id, session_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
@@ -110,6 +130,7 @@ class AsyncEngine:
         self._inbox.put(("add", req))
         self._wake.set()
         finished = False
+        self.num_in_flight += 1
         try:
             while not finished:
                 item = await stream.queue.get()
@@ -124,6 +145,7 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
+            self.num_in_flight -= 1
             with self._streams_lock:
                 self._streams.pop(req.request_id, None)
             if not finished:
@@ -134,13 +156,19 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def add_listener(self, listener) -> None:
+        """Tell `listener` (an EngineListener) about tokens and finished requests. Call
+        before start(): the list is read on the engine's thread."""
+        self.engine.listeners.append(listener)
+
     def release_session(self, session_id: str) -> None:
         """Free a session's pinned blocks before the next step. Thread-safe."""
         self._inbox.put(("release", session_id))
         self._wake.set()
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The engine's counters as of its last step (safe from any thread)."""
+        return self._stats
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -150,6 +178,7 @@ class AsyncEngine:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
                     self.engine.housekeeping()
+                    self._stats = self.engine.stats()
                     if self._idle_check_s:
                         self.engine.check_integrity()
                     # Wake at least once a minute for housekeeping (pins expire).
@@ -161,6 +190,7 @@ class AsyncEngine:
                 except Exception as exc:  # one bad step must not kill the server
                     log.exception("engine step failed; failing the requests in flight")
                     outputs = self._fail_all(exc)
+                self._stats = self.engine.stats()
                 self._deliver(outputs)
         except BaseException as exc:  # pragma: no cover - the loop itself is broken
             log.exception("engine loop died")
@@ -192,11 +222,8 @@ class AsyncEngine:
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        for o in outputs:
-            o.finish_reason = FinishReason.ERROR
-        return outputs
+            self.engine.abort(request_id, FinishReason.ERROR)
+        return self.engine.step() if self.engine.has_unfinished_requests() else []
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -60,6 +61,16 @@ class RequestOutput:
             completion_tokens=later.completion_tokens,
             timings=later.timings,
         )
+
+
+class EngineListener(Protocol):
+    """Told, on the engine's thread, about tokens and finished requests (metrics)."""
+
+    def on_tokens(self, request: Request, num_tokens: int, gap_s: float | None) -> None:
+        """`num_tokens` new output tokens; `gap_s` since the previous ones, if any."""
+
+    def on_finished(self, request: Request) -> None:
+        """The request ended (any reason); its counters and timings are final."""
 
 
 @dataclass
@@ -112,6 +123,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
         self.requests: dict[str, Request] = {}
+        self.listeners: list[EngineListener] = []
         self._aborted: list[RequestOutput] = []
         self._next_housekeeping = 0.0
         log.info(
@@ -203,14 +215,17 @@ class LLMEngine:
         self.add(req)
         return req
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Stop a request and free its blocks now. Its final output (finish_reason
-        "abort", with any held-back text) comes out of the next step(). False if unknown."""
+        "abort", or `reason`, with any held-back text) comes out of the next step().
+        False if unknown."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self.scheduler.finish(req, FinishReason.ABORT)
+        self.scheduler.finish(req, reason)
         self._aborted.append(self._output(req, "", []))
+        for listener in self.listeners:
+            listener.on_finished(req)
         return True
 
     def release_session(self, session_id: str) -> bool:
@@ -255,8 +270,12 @@ class LLMEngine:
             if token is None:
                 continue  # a prefill chunk short of the prompt's end
             req.append_output_token(token)
+            gap = None if req.timings.last_token is None else now - req.timings.last_token
             if req.timings.first_token is None:
                 req.timings.first_token = now
+            req.timings.last_token = now
+            for listener in self.listeners:
+                listener.on_tokens(req, 1, gap)
             detok = req.detokenizer
             assert detok is not None
             reason = None
@@ -276,11 +295,14 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 del self.requests[req.request_id]
+                for listener in self.listeners:
+                    listener.on_finished(req)
             outputs.append(self._output(req, text, [token]))
         return outputs
 
     def _output(self, req: Request, text: str, token_ids: list[int]) -> RequestOutput:
-        if req.is_finished and req.finish_reason is FinishReason.ABORT and req.detokenizer:
+        cut_short = req.finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
+        if req.is_finished and cut_short and req.detokenizer:
             text += "" if req.detokenizer.stopped else req.detokenizer.flush()
         return RequestOutput(
             request_id=req.request_id,

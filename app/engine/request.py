@@ -132,6 +132,7 @@ class Timings:
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
     finished: float | None = None
 
     @property

@@ -20,6 +20,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from app.config import EngineConfig
+from app.server import openai_api
+from app.server.metrics import CONTENT_TYPE, Metrics
 from app.server.turns import ChatConfig, ChatService
 from app.server.ws import ws_endpoint
 
@@ -45,15 +47,18 @@ class ServerConfig:
     port: int = 8000
     log_level: str = "info"
     chat: ChatConfig = field(default_factory=ChatConfig)
+    otlp_endpoint: str | None = None  # OpenTelemetry traces go here when set
 
 
 def create_app(
     engine_config: EngineConfig | None = None,
     server_config: ServerConfig | None = None,
     engine: Any = None,
+    listeners: list[Any] | None = None,
 ) -> Starlette:
     """Build the app. `engine` (an AsyncEngine or a fake with its interface) replaces the
-    one the lifespan would otherwise build from `engine_config`."""
+    one the lifespan would otherwise build from `engine_config`; `listeners` (engine
+    listeners, e.g. a RequestTracer) are attached to it besides the metrics."""
     server_config = server_config or ServerConfig()
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
 
@@ -62,11 +67,30 @@ def create_app(
         eng = engine
         if eng is None:
             eng = await asyncio.to_thread(_build_engine, engine_config or EngineConfig())
+        metrics = Metrics(eng)
+        extra = list(listeners or [])
+        if server_config.otlp_endpoint:
+            from app.server.tracing import RequestTracer
+
+            extra.append(RequestTracer.to_endpoint(server_config.otlp_endpoint))
+        if hasattr(eng, "add_listener"):
+            for listener in [metrics, *extra]:
+                eng.add_listener(listener)
+        chat = ChatService(eng, server_config.chat)
+        model_name = getattr(eng, "model_name", "model")
         eng.start()
         try:
-            yield {"chat": ChatService(eng, server_config.chat), "engine": eng}
+            yield {
+                "chat": chat,
+                "engine": eng,
+                "metrics": metrics,
+                "openai": openai_api.OpenAIAPI(eng, chat.prompt, model_name),
+            }
         finally:
             await eng.stop()
+            for listener in extra:
+                if hasattr(listener, "shutdown"):
+                    listener.shutdown()
 
     async def index(request: Request) -> Response:
         engine_ = request.state.engine
@@ -79,11 +103,24 @@ def create_app(
         return response
 
     async def health(request: Request) -> Response:
+        """The process is up."""
         return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        """The model is loaded and the engine loop is alive."""
+        if request.state.engine.is_running:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(request.state.metrics.render(), media_type=CONTENT_TYPE)
 
     routes = [
         Route("/", index),
         Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        *openai_api.routes(),
         WebSocketRoute("/ws", ws_endpoint),
         Mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static"),
     ]

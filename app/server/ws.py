@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from app.engine.async_engine import EngineDeadError
+from app.engine.async_engine import EngineDeadError, EngineOverloadedError
 from app.engine.request import FinishReason
 from app.server import protocol as p
 from app.server.turns import ChatService, Turn
@@ -140,7 +140,11 @@ class ChatSocket:
                     if not await self.send(p.token_frame(frame.id, seq, out.new_text)):
                         break  # the client is gone: leaving the loop aborts the request
                     seq += 1
-            if last is not None and last.finished:
+            if last is not None and last.finish_reason is FinishReason.ERROR:
+                self.chat.end_turn(turn, None, None)
+                err = p.ProtocolError(p.INTERNAL, "the engine failed this turn", frame.id, True)
+                await self.send(p.error_frame(err))
+            elif last is not None and last.finished:
                 if not started:
                     await self.send(
                         p.start_frame(
@@ -161,6 +165,9 @@ class ChatSocket:
             self.chat.end_turn(turn, None, None)
             code = p.TOO_LONG if "context" in str(exc) or "KV cache" in str(exc) else p.BAD_REQUEST
             await self.send(p.error_frame(p.ProtocolError(code, str(exc), frame.id)))
+        except EngineOverloadedError as exc:
+            self.chat.end_turn(turn, None, None)
+            await self.send(p.error_frame(p.ProtocolError(p.BUSY, str(exc), frame.id, True)))
         except EngineDeadError as exc:
             self.chat.end_turn(turn, None, None)
             err = p.ProtocolError(p.INTERNAL, str(exc), frame.id, retryable=True)

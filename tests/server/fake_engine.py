@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from app.engine.engine import RequestOutput
+from app.engine.async_engine import EngineDeadError
+from app.engine.engine import EngineStats, RequestOutput
 from app.engine.request import FinishReason, SamplingParams, Timings
 
 
@@ -44,7 +45,26 @@ class FakeEngine:
     def release_session(self, session_id: str) -> None:
         self.released.append(session_id)
 
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.live),
+            num_waiting=0,
+            kv_usage=0.0,
+            num_free_blocks=0,
+            num_blocks=0,
+            num_preemptions=0,
+            prefix_queries=0,
+            prefix_hits=0,
+            pin_hits=0,
+            sessions_pinned=0,
+            pinned_blocks=0,
+            session_unpins={},
+            steps=0,
+        )
+
     async def generate(self, prompt, params: SamplingParams, request_id=None, session_id=None):
+        if not self.running:
+            raise EngineDeadError("the engine is not running")
         if len(prompt) >= self.max_model_len:
             raise ValueError("the prompt is too long for the context")
         self.live.add(request_id)

@@ -1,0 +1,127 @@
+"""/metrics: Prometheus metrics with vLLM's names and meanings where they exist (prefix
+`parley:` instead of `vllm:`), plus Parley's own for session pins.
+
+Request-level figures are recorded on the engine's thread as tokens and requests finish
+(an EngineListener); gauges and the scheduler's counters are read at scrape time from the
+engine's last stats snapshot. Each app has its own registry: two apps in one process (as
+in tests) do not share numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app.engine.request import Request
+
+P = "parley:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Latency buckets in seconds: a CPU box spans milliseconds (a cached turn) to minutes.
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_ITL = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+
+
+class Metrics:
+    """The app's metrics. Attach with `engine.listeners.append(metrics)`."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine  # AsyncEngine (or a fake): its stats() snapshot
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds", "Time between tokens.", buckets=_ITL, registry=r
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "Arrival to finish of a request.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue = Histogram(
+            P + "request_queue_time_seconds",
+            "Arrival to first scheduling of a request.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            P + "generation_tokens", "Generated tokens of finished requests.", registry=r
+        )
+        self.success = Counter(
+            P + "request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        r.register(_EngineCollector(engine))
+
+    # -- EngineListener (called on the engine's thread) -----------------------------------
+
+    def on_tokens(self, request: Request, num_tokens: int, gap_s: float | None) -> None:
+        if gap_s is not None:
+            self.itl.observe(gap_s)
+
+    def on_finished(self, request: Request) -> None:
+        t = request.timings
+        if t.first_token is not None:
+            self.ttft.observe(t.first_token - t.arrival)
+        if t.first_scheduled is not None:
+            self.queue.observe(t.first_scheduled - t.arrival)
+        if t.finished is not None:
+            self.e2e.observe(t.finished - t.arrival)
+        self.prompt_tokens.inc(request.num_prompt_tokens)
+        self.generation_tokens.inc(request.num_output_tokens)
+        self.success.labels(str(request.finish_reason)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from the engine's stats snapshot at scrape time."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        yield GaugeMetricFamily(P + "num_requests_running", "Requests in the batch.", s.num_running)
+        yield GaugeMetricFamily(
+            P + "num_requests_waiting", "Requests waiting for the batch.", s.num_waiting
+        )
+        yield GaugeMetricFamily(
+            P + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_usage
+        )
+        yield GaugeMetricFamily(
+            P + "sessions_pinned", "Conversations holding pinned K/V.", s.sessions_pinned
+        )
+        yield CounterMetricFamily(
+            P + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_queries,
+        )
+        yield CounterMetricFamily(
+            P + "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache or a session pin.",
+            s.prefix_hits + s.pin_hits,
+        )
+        yield CounterMetricFamily(
+            P + "num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions
+        )
+        unpins = CounterMetricFamily(
+            P + "session_unpins",
+            "Sessions that lost their pinned K/V, by reason (pressure, ttl, released).",
+            labels=["reason"],
+        )
+        for reason in ("pressure", "ttl", "released"):
+            unpins.add_metric([reason], s.session_unpins.get(reason, 0))
+        yield unpins

@@ -1,0 +1,380 @@
+"""The OpenAI-compatible API: /v1/models, /v1/chat/completions, /v1/completions.
+
+Streaming answers are Server-Sent Events of `chat.completion.chunk` (or `text_completion`)
+objects: the role first, then content deltas, `finish_reason` on the last choice chunk, the
+usage in a chunk of its own when `stream_options.include_usage` is set, and `data: [DONE]`.
+A client that goes away aborts its request. Errors are OpenAI error objects with the usual
+status: 400 bad parameters or a context too long, 404 an unknown model, 429 overloaded,
+503 no engine.
+
+These requests have no session: a client that resends a growing message list (as OpenAI
+clients do) gets its history from the prefix cache, block by block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from app.chat.prompt import Message
+from app.engine.async_engine import EngineDeadError, EngineOverloadedError
+from app.engine.engine import RequestOutput
+from app.engine.request import FinishReason, SamplingParams
+
+MAX_BODY_BYTES = 4 << 20
+
+
+class APIError(Exception):
+    """An OpenAI error object and its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# -- request parsing -----------------------------------------------------------------------
+
+_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty")  # fmt: skip
+_INTEGERS = ("top_k", "seed")
+
+
+def sampling_params(body: dict[str, Any], max_tokens_limit: int) -> SamplingParams:
+    """SamplingParams from an OpenAI request body. Raises APIError(400)."""
+    values: dict[str, Any] = {}
+    for key in _NUMBERS:
+        v = body.get(key)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad(f"'{key}' must be a number", key)
+            values[key] = v
+    for key in _INTEGERS:
+        v = body.get(key)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(f"'{key}' must be an integer", key)
+            values[key] = v
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise bad(f"'{param}' must be an integer >= 1", param)
+        if max_tokens > max_tokens_limit:
+            raise bad(f"'{param}' is limited to {max_tokens_limit}", param)
+    values["max_tokens"] = max_tokens  # None: up to the context window
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad("'stop' must be a string or a list of strings", "stop")
+        values["stop"] = tuple(stop)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("'ignore_eos' must be a boolean", "ignore_eos")
+    values["ignore_eos"] = ignore_eos
+    n = body.get("n", 1)
+    if n != 1:
+        raise bad("only n=1 is supported", "n")
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
+        raise bad("logprobs and echo are not supported", "logprobs")
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        param = str(exc).split(" ")[0]
+        raise bad(str(exc), param if param in body else None) from None
+
+
+def chat_messages(body: dict[str, Any]) -> list[Message]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"  # OpenAI's newer name for the system role
+        if role not in ("system", "user", "assistant"):
+            raise bad(f"messages[{i}].role must be system, user or assistant", "messages")
+        out.append(Message(role, _content(m.get("content"), i)))
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            if not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content[].text must be a string", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+# -- the API -------------------------------------------------------------------------------
+
+
+class OpenAIAPI:
+    """Handlers over the app's engine and chat prompt builder."""
+
+    def __init__(self, engine, prompt, model_name: str) -> None:
+        self.engine = engine
+        self.prompt = prompt
+        self.model_name = model_name
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.model_name, "object": "model", "created": 0, "owned_by": "parley"}
+                ],
+            }
+        )
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            params = sampling_params(body, self.engine.max_model_len - 1)
+            prompt_ids = self.prompt.render(chat_messages(body))
+            return await self._complete(request, body, prompt_ids, params, chat=True)
+        except APIError as err:
+            return err.response()
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            params = sampling_params(body, self.engine.max_model_len - 1)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                prompt_ids: str | list[int] = prompt  # token ids
+            elif isinstance(prompt, str) and prompt:
+                prompt_ids = prompt
+            else:
+                raise bad("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+            return await self._complete(request, body, prompt_ids, params, chat=False)
+        except APIError as err:
+            return err.response()
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            raise bad("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad("the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    async def _complete(
+        self, request: Request, body: dict, prompt, params: SamplingParams, chat: bool
+    ) -> Response:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad("'stream' must be a boolean", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise bad("'stream_options' must be an object", "stream_options")
+        outputs = self._start(prompt, params)
+        first = await self._first(outputs)  # errors surface here, before any byte is sent
+        kind = "chat.completion" if chat else "text_completion"
+        meta = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        if stream:
+            events = _sse(meta, kind, first, outputs, chat, bool(options.get("include_usage")))
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await _until_disconnected(request, _collect(meta, kind, first, outputs, chat))
+
+    def _start(self, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(prompt, params, "api-" + uuid.uuid4().hex)
+
+    async def _first(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        try:
+            return await outputs.__anext__()
+        except ValueError as exc:
+            message = str(exc)
+            if "context" in message or "KV cache" in message:
+                raise bad(message, "messages", "context_length_exceeded") from None
+            raise bad(message) from None
+        except EngineOverloadedError as exc:
+            raise APIError(
+                429,
+                str(exc),
+                type="rate_limit_error",
+                code="server_busy",
+                headers={"Retry-After": str(max(1, round(exc.retry_after_s)))},
+            ) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
+
+
+def routes() -> list[Route]:
+    """The /v1 routes; each finds the app's OpenAIAPI in the lifespan state."""
+
+    async def models(request: Request) -> Response:
+        return await request.state.openai.models(request)
+
+    async def chat_completions(request: Request) -> Response:
+        return await request.state.openai.chat_completions(request)
+
+    async def completions(request: Request) -> Response:
+        return await request.state.openai.completions(request)
+
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    if out.finish_reason is None:
+        return None
+    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(
+        out.finish_reason, str(out.finish_reason)
+    )
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+    }
+
+
+async def _collect(meta, kind, first, outputs, chat: bool) -> Response:
+    text, last = first.new_text, first
+    async for out in outputs:
+        text += out.new_text
+        last = out
+    if last.finish_reason is FinishReason.ERROR:
+        return APIError(500, "the engine failed this request", "server_error").response()
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(last)}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+        choice["logprobs"] = None
+    return JSONResponse({**meta, "object": kind, "choices": [choice], "usage": _usage(last)})
+
+
+async def _until_disconnected(request: Request, work) -> Response:
+    """Run `work` unless the client goes away first: then cancel it (which aborts the
+    engine request) and answer nobody."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)  # nobody is listening
+
+
+async def _sse(meta, kind, first, outputs, chat: bool, include_usage: bool):
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        payload = {**meta, "object": chunk_kind, "choices": choices, **extra}
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def choice(out: RequestOutput, text: str) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0, "finish_reason": None}
+        if chat:
+            c["delta"] = {"content": text} if text else {}
+        else:
+            c["text"] = text
+            c["logprobs"] = None
+        return c
+
+    if chat:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield event([role])
+    last = first
+    if first.new_text:
+        yield event([choice(first, first.new_text)])
+    async for out in outputs:  # leaving early (client gone) closes this: the request aborts
+        last = out
+        if out.new_text:
+            yield event([choice(out, out.new_text)])
+    if last.finish_reason is FinishReason.ERROR:
+        error = {"message": "the engine failed this request", "type": "server_error"}
+        yield f"data: {json.dumps({'error': error})}\n\n"
+    else:
+        final = choice(last, "")
+        final["finish_reason"] = _finish_reason(last)
+        yield event([final])
+        if include_usage:
+            yield event([], usage=_usage(last))
+    yield "data: [DONE]\n\n"
