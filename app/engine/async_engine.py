@@ -106,6 +106,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         session_id: str | None = None,
+        use_prefix_cache: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Leaving the loop early (break,
         cancellation, an exception in the consumer) aborts the request.
@@ -121,7 +122,7 @@ class AsyncEngine:
                 f"the server is busy: {self.num_in_flight} requests in flight "
                 f"(at most {self.capacity}); retry shortly"
             )
-        req = self.engine.make_request(prompt, params, request_id, session_id)
+        req = self.engine.make_request(prompt, params, request_id, session_id, use_prefix_cache)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             if req.request_id in self._streams:

@@ -153,10 +153,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         session_id: str | None = None,
+        use_prefix_cache: bool = True,
     ) -> Request:
         """Validate and tokenize; touches no engine state, so any thread may call it.
         Raises ValueError with a message fit for the user. A `session_id` keeps the
-        request's K/V pinned for that session's next turn (see session_pins)."""
+        request's K/V pinned for that session's next turn (see session_pins);
+        `use_prefix_cache=False` computes every prompt token (for comparisons)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -189,6 +191,7 @@ class LLMEngine:
             max_tokens,
             self.eos_token_ids,
             session_id,
+            use_prefix_cache,
         )
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens

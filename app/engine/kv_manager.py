@@ -67,6 +67,8 @@ class KVCacheManager:
         is always left to compute: its logits give the next token."""
         limit = request.num_tokens - 1
         best = ComputedPrefix([], 0)
+        if not request.use_prefix_cache:
+            return best
         if self.enable_prefix_caching:
             self._update_hashes(request)
             for h in request.block_hashes[: limit // self.block_size]:

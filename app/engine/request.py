@@ -155,9 +155,11 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         session_id: str | None = None,
+        use_prefix_cache: bool = True,
     ) -> None:
         self.request_id = request_id
         self.session_id = session_id  # a conversation whose K/V stays pinned between turns
+        self.use_prefix_cache = use_prefix_cache  # False: compute every prompt token
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)

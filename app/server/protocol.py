@@ -98,6 +98,7 @@ _PARAMS: dict[str, tuple[type, ...]] = {
     "presence_penalty": (int, float),
     "frequency_penalty": (int, float),
     "repetition_penalty": (int, float),
+    "ignore_eos": (bool,),  # for benchmarks: replies of exactly max_tokens
 }
 
 
@@ -197,7 +198,9 @@ def _params(raw: Any, max_tokens_limit: int, fail) -> SamplingParams:
     for key, value in raw.items():
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, _PARAMS[key]):
+        if isinstance(value, bool) != (_PARAMS[key] == (bool,)) or not isinstance(
+            value, _PARAMS[key]
+        ):
             raise fail(f"params.{key} has the wrong type ({type(value).__name__})")
         if isinstance(value, float) and not math.isfinite(value):
             raise fail(f"params.{key} must be finite")

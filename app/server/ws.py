@@ -120,12 +120,14 @@ class ChatSocket:
         reply_ids: list[int] = []
         last = None
         try:
-            stream = self.chat.engine.generate(
-                turn.prompt_ids,
-                frame.params,
-                active.request_id,
-                frame.conversation_id if frame.cache else None,
-            )
+            if frame.cache:
+                stream = self.chat.engine.generate(
+                    turn.prompt_ids, frame.params, active.request_id, frame.conversation_id
+                )
+            else:  # no K/V kept or reused: every turn computes its whole prompt
+                stream = self.chat.engine.generate(
+                    turn.prompt_ids, frame.params, active.request_id, use_prefix_cache=False
+                )
             async for out in stream:
                 last = out
                 reply_ids += out.new_token_ids

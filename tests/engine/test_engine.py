@@ -100,6 +100,16 @@ def test_identical_prompt_recomputes_only_its_last_token(tokenizer):
     assert r.cached_tokens == 48  # the last block holds the token whose logits we need
 
 
+def test_a_request_may_opt_out_of_the_prefix_cache(tokenizer):
+    p = prompts(1, length=64)[0]
+    engine = tiny_engine(tokenizer)
+    generate(engine, [p])
+    engine.add(engine.make_request(p, GREEDY, "x", use_prefix_cache=False))
+    assert run(engine)["x"].cached_tokens == 0
+    (again,) = generate(engine, [p])
+    assert again.cached_tokens == 48
+
+
 def test_no_prefix_caching_means_no_hits(tokenizer):
     p = prompts(1, length=64)[0]
     engine = tiny_engine(tokenizer, prefix_caching=False)

@@ -26,6 +26,7 @@ class FakeEngine:
         self.aborted: set[str] = set()
         self.released: list[str] = []
         self.sessions: dict[str, str | None] = {}  # request id -> session id
+        self.prefix_cache: dict[str, bool] = {}
         self.prompts: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
 
@@ -62,13 +63,21 @@ class FakeEngine:
             steps=0,
         )
 
-    async def generate(self, prompt, params: SamplingParams, request_id=None, session_id=None):
+    async def generate(
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id=None,
+        session_id=None,
+        use_prefix_cache=True,
+    ):
         if not self.running:
             raise EngineDeadError("the engine is not running")
         if len(prompt) >= self.max_model_len:
             raise ValueError("the prompt is too long for the context")
         self.live.add(request_id)
         self.sessions[request_id] = session_id
+        self.prefix_cache[request_id] = use_prefix_cache
         self.prompts[request_id] = list(prompt)
         self.params[request_id] = params
         words = (self.reply or f"reply to {len(prompt)} tokens").split(" ")

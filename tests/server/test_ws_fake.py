@@ -196,6 +196,7 @@ def test_cache_false_runs_without_a_session(client, fake):
         ws.send_json(chat("t1", "c1", cache=False))
         until_terminal(ws, ["t1"])
     assert list(fake.sessions.values()) == [None]
+    assert list(fake.prefix_cache.values()) == [False]
 
 
 def test_page_and_static_files(client):

@@ -23,9 +23,9 @@ class Recording(AsyncEngine):
         super().__init__(engine)
         self.prompts: list[list[int]] = []
 
-    async def generate(self, prompt, params=None, request_id=None, session_id=None):
+    async def generate(self, prompt, params=None, request_id=None, session_id=None, **kw):
         self.prompts.append(list(prompt))
-        async for out in super().generate(prompt, params, request_id, session_id):
+        async for out in super().generate(prompt, params, request_id, session_id, **kw):
             yield out
 
 

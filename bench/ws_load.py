@@ -1,0 +1,371 @@
+"""WebSocket load test: many simulated users holding multi-turn conversations over /ws.
+
+    python bench/ws_load.py --url ws://127.0.0.1:8000/ws --users 8 --turns 6
+    python bench/ws_load.py --users 8 --turns 6 --think 0 --compare-no-reuse --plot
+
+Each user holds a conversation of --turns turns: it sends a user message built from the
+seed (mostly short questions, now and then a long paste), waits for the whole reply, thinks
+for an exponentially distributed time (mean --think seconds) and goes on. Closed loop: a
+fixed number of users, each starting a new conversation when one ends. Open loop (--rate):
+new conversations arrive as a Poisson process. A run ends after --duration seconds or
+--conversations conversations (by default one per user), and always stops by itself
+(--timeout).
+
+Per turn it records time to first token, inter-token gaps, end-to-end latency and the
+prompt / cached / completion tokens the server reports; it prints p50/p90/p99 and TTFT by
+turn index, writes a JSON file, and with --plot a PNG. --compare-no-reuse runs the same
+workload again with `cache: false` (no K/V kept between turns) and prints both side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import websockets
+
+WORDS = [
+    "river",
+    "mountain",
+    "engine",
+    "signal",
+    "garden",
+    "lantern",
+    "harbor",
+    "circuit",
+    "meadow",
+    "crystal",
+    "thunder",
+    "pocket",
+    "orbit",
+    "candle",
+    "ladder",
+    "mirror",
+    "velvet",
+    "compass",
+    "marble",
+    "echo",
+    "ribbon",
+    "canyon",
+    "falcon",
+    "glacier",
+    "quartz",
+    "saddle",
+    "timber",
+    "violet",
+    "willow",
+    "anchor",
+    "beacon",
+    "cobalt",
+    "dune",
+    "ember",
+    "fjord",
+]
+QUESTIONS = [
+    "What is a good name for a {w} shop?",
+    "Explain what a {w} is in one sentence.",
+    "Give me two fun facts about the {w}.",
+    "Write a short poem about a {w}.",
+    "How would you describe a {w} to a child?",
+    "List three words that rhyme with {w}.",
+]
+
+
+@dataclass
+class Turn:
+    """One turn, as the client saw it."""
+
+    user: int
+    conversation: str
+    index: int  # 1-based turn number within its conversation
+    sent_at: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def user_message(seed: int, user: int, conversation: int, turn: int, paste_p: float) -> str:
+    """Deterministic from its coordinates: the same workload every run."""
+    rng = random.Random(f"{seed}/{user}/{conversation}/{turn}")
+    if turn > 1 and rng.random() < paste_p:
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(150, 300)))
+        return f"Here is a note I wrote, summarize it in one line:\n\n{words}"
+    return rng.choice(QUESTIONS).format(w=rng.choice(WORDS))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.turns: list[Turn] = []
+        self.errors: Counter[str] = Counter()
+        self.tokens = 0
+        self.started = time.monotonic()
+
+    def progress(self) -> str:
+        elapsed = time.monotonic() - self.started
+        done = sum(1 for t in self.turns if t.finish_reason or t.error)
+        return (
+            f"\r{elapsed:6.1f}s  turns done {done:5d}  errors {sum(self.errors.values()):3d}  "
+            f"{self.tokens / elapsed if elapsed else 0:7.1f} tok/s"
+        )
+
+
+async def converse(url: str, user: int, number: int, args, rec: Recorder, cache: bool) -> None:
+    """One conversation of args.turns turns on its own connection."""
+    conversation = f"load-{args.seed}-{'c' if cache else 'n'}-{user}-{number}"
+    messages: list[dict[str, str]] = []
+    rng = random.Random(f"think/{args.seed}/{user}/{number}")
+    async with websockets.connect(url, max_size=None) as ws:
+        for index in range(1, args.turns + 1):
+            text = user_message(args.seed, user, number, index, args.paste_probability)
+            messages.append({"role": "user", "content": text})
+            turn = Turn(user, conversation, index, time.monotonic())
+            rec.turns.append(turn)
+            frame = {
+                "type": "chat",
+                "id": f"t{index}",
+                "conversation_id": conversation,
+                "messages": messages,
+                "cache": cache,
+                "params": {
+                    "temperature": 0,
+                    "max_tokens": args.max_tokens,
+                    "ignore_eos": args.ignore_eos,
+                },
+            }
+            await ws.send(json.dumps(frame))
+            reply = await receive_turn(ws, turn, rec)
+            if turn.error:
+                return
+            messages.append({"role": "assistant", "content": reply})
+            if args.think > 0 and index < args.turns:
+                await asyncio.sleep(rng.expovariate(1 / args.think))
+        await ws.send(json.dumps({"type": "delete", "conversation_id": conversation}))
+
+
+async def receive_turn(ws, turn: Turn, rec: Recorder) -> str:
+    parts: list[str] = []
+    last = None
+    while True:
+        f = json.loads(await ws.recv())
+        now = time.monotonic()
+        if f.get("type") == "start":
+            turn.prompt_tokens, turn.cached_tokens = f["prompt_tokens"], f["cached_tokens"]
+        elif f.get("type") == "token":
+            if turn.ttft_s is None:
+                turn.ttft_s = now - turn.sent_at
+            elif last is not None:
+                turn.itl_s.append(now - last)
+            last = now
+            parts.append(f["text"])
+        elif f.get("type") == "done":
+            turn.e2e_s = now - turn.sent_at
+            turn.completion_tokens = f["usage"]["completion_tokens"]
+            turn.finish_reason = f["finish_reason"]
+            rec.tokens += turn.completion_tokens
+            return "".join(parts)
+        elif f.get("type") == "error":
+            turn.error = f.get("code", "error")
+            rec.errors[turn.error] += 1
+            return ""
+
+
+async def run(args, cache: bool) -> dict:
+    rec = Recorder()
+    conversations = args.conversations or (args.users if not args.duration else 10**9)
+    deadline = rec.started + (args.duration or float("inf"))
+    started = 0
+    tasks: list[asyncio.Task] = []
+
+    async def safe(user: int, number: int) -> None:
+        try:
+            await converse(args.url, user, number, args, rec, cache)
+        except (OSError, websockets.WebSocketException) as exc:
+            rec.errors[type(exc).__name__] += 1
+
+    async def closed_loop_user(user: int) -> None:
+        nonlocal started
+        number = 0
+        while started < conversations and time.monotonic() < deadline:
+            started += 1
+            await safe(user, number)
+            number += 1
+
+    async def progress() -> None:
+        while True:
+            print(rec.progress(), end="", file=sys.stderr, flush=True)
+            await asyncio.sleep(1)
+
+    reporter = asyncio.create_task(progress())
+    try:
+        async with asyncio.timeout(args.timeout):
+            if args.rate:
+                rng = random.Random(f"arrivals/{args.seed}")
+                while started < conversations and time.monotonic() < deadline:
+                    tasks.append(asyncio.create_task(safe(started, 0)))
+                    started += 1
+                    await asyncio.sleep(rng.expovariate(args.rate))
+            else:
+                tasks = [asyncio.create_task(closed_loop_user(u)) for u in range(args.users)]
+            await asyncio.gather(*tasks)
+    except TimeoutError:
+        rec.errors["timeout"] += 1
+        for t in tasks:
+            t.cancel()
+    finally:
+        reporter.cancel()
+        print(rec.progress(), file=sys.stderr)
+    wall = time.monotonic() - rec.started
+    return summarize(rec, wall)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def q(p: float) -> float:
+        return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))]
+
+    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+
+
+def summarize(rec: Recorder, wall: float) -> dict:
+    ok = [t for t in rec.turns if t.finish_reason]
+    by_index: dict[int, list[float]] = defaultdict(list)
+    for t in ok:
+        if t.ttft_s is not None:
+            by_index[t.index].append(t.ttft_s)
+    return {
+        "wall_s": wall,
+        "turns": len(ok),
+        "turns_started": len(rec.turns),
+        "errors": dict(rec.errors),
+        "output_tokens": sum(t.completion_tokens for t in ok),
+        "output_tok_s": sum(t.completion_tokens for t in ok) / wall if wall else 0.0,
+        "turns_per_s": len(ok) / wall if wall else 0.0,
+        "prompt_tokens": sum(t.prompt_tokens for t in ok),
+        "cached_tokens": sum(t.cached_tokens for t in ok),
+        "ttft_s": percentiles([t.ttft_s for t in ok if t.ttft_s is not None]),
+        "itl_s": percentiles([g for t in ok for g in t.itl_s]),
+        "e2e_s": percentiles([t.e2e_s for t in ok if t.e2e_s is not None]),
+        "ttft_p50_by_turn": {i: statistics.median(v) for i, v in sorted(by_index.items())},
+        "records": [asdict(t) for t in rec.turns],
+    }
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:8.0f}"
+
+
+def report(name: str, s: dict) -> None:
+    print(f"\n== {name}: {s['turns']} turns in {s['wall_s']:.1f} s, "
+          f"{s['output_tok_s']:.1f} output tok/s, {s['turns_per_s']:.2f} turns/s, "
+          f"errors {s['errors'] or 'none'}")  # fmt: skip
+    reused = s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0
+    print(f"   prompt tokens {s['prompt_tokens']}, reused from cache {s['cached_tokens']} "
+          f"({reused:.0%})")  # fmt: skip
+    print("   latency (ms)      p50      p90      p99")
+    for key, label in (("ttft_s", "TTFT"), ("itl_s", "inter-token"), ("e2e_s", "end-to-end")):
+        p = s[key]
+        print(f"   {label:12s} {ms(p['p50'])} {ms(p['p90'])} {ms(p['p99'])}")
+    print("   TTFT p50 by turn: " + ", ".join(
+        f"{i}: {v * 1000:.0f} ms" for i, v in s["ttft_p50_by_turn"].items()))  # fmt: skip
+
+
+def compare(reuse: dict, plain: dict) -> dict:
+    last = max(reuse["ttft_p50_by_turn"], default=None)
+    first = min(reuse["ttft_p50_by_turn"], default=None)
+    out = {
+        "total_time_ratio": reuse["wall_s"] / plain["wall_s"],
+        "output_tok_s_ratio": reuse["output_tok_s"] / plain["output_tok_s"],
+    }
+    if last is not None and last in plain["ttft_p50_by_turn"]:
+        out["last_turn"] = last
+        out["last_turn_ttft_reuse_over_first"] = (
+            reuse["ttft_p50_by_turn"][last] / reuse["ttft_p50_by_turn"][first]
+        )
+        out["last_turn_ttft_speedup"] = (
+            plain["ttft_p50_by_turn"][last] / reuse["ttft_p50_by_turn"][last]
+        )
+    print("\n== reuse vs no reuse")
+    print("   turn   TTFT p50 reuse   TTFT p50 no reuse   ratio")
+    for i, v in reuse["ttft_p50_by_turn"].items():
+        w = plain["ttft_p50_by_turn"].get(i)
+        if w:
+            print(f"   {i:4d}   {v * 1000:10.0f} ms   {w * 1000:13.0f} ms   {w / v:6.2f}x")
+    print(f"   total time: {reuse['wall_s']:.1f} s vs {plain['wall_s']:.1f} s "
+          f"({out['total_time_ratio']:.2f}x); output tok/s {reuse['output_tok_s']:.1f} vs "
+          f"{plain['output_tok_s']:.1f}")  # fmt: skip
+    return out
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, s in results.items():
+        turns = list(s["ttft_p50_by_turn"])
+        left.plot(turns, [s["ttft_p50_by_turn"][i] * 1000 for i in turns], "o-", label=name)
+        e2e = sorted(r["e2e_s"] for r in s["records"] if r["e2e_s"] is not None)
+        right.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=name)
+    left.set(xlabel="turn", ylabel="TTFT p50 (ms)", title="Time to first token by turn")
+    right.set(xlabel="end-to-end latency (s)", ylabel="fraction of turns", title="Latency CDF")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="ws://127.0.0.1:8000/ws")
+    ap.add_argument("--users", type=int, default=8, help="closed loop: simultaneous users")
+    ap.add_argument("--rate", type=float, default=0.0, help="open loop: conversations/s")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--think", type=float, default=0.0, help="mean think time (s)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--paste-probability", type=float, default=0.25)
+    ap.add_argument("--duration", type=float, default=0.0, help="stop starting after (s)")
+    ap.add_argument("--conversations", type=int, default=0, help="stop after this many")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="hard stop (s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare-no-reuse", action="store_true")
+    ap.add_argument("--out", default="bench/results/ws_load.json")
+    ap.add_argument("--plot", nargs="?", const="bench/results/ws_load.png", default=None)
+    args = ap.parse_args()
+
+    results = {"reuse": asyncio.run(run(args, cache=True))}
+    report("with reuse", results["reuse"])
+    summary: dict = {"config": vars(args), "runs": results}
+    if args.compare_no_reuse:
+        results["no_reuse"] = asyncio.run(run(args, cache=False))
+        report("without reuse", results["no_reuse"])
+        summary["comparison"] = compare(results["reuse"], results["no_reuse"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {args.out}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
