@@ -28,6 +28,13 @@ FLAGS: list[tuple[str, dict]] = [
     ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
     ("--max-turns-per-socket", dict(type=int, default=8)),
     ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
+    ("--max-connections", dict(type=int, default=256, help="open /ws sockets")),
+    ("--request-timeout", dict(type=float, default=600.0, help="seconds a request may run")),
+    ("--api-key", dict(help="require this key on /v1 (Bearer) and for the page")),
+    (
+        "--allowed-origins",
+        dict(default="", help="comma-separated extra origins allowed to open /ws"),
+    ),
     (
         "--otlp-endpoint",
         dict(
@@ -72,6 +79,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting,
+            request_timeout_s=args.request_timeout or None,
         ),
         num_threads=args.threads,
     )
@@ -88,8 +96,12 @@ def serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        chat=ChatConfig(max_turns_per_socket=args.max_turns_per_socket),
+        chat=ChatConfig(
+            max_turns_per_socket=args.max_turns_per_socket, max_connections=args.max_connections
+        ),
         otlp_endpoint=args.otlp_endpoint,
+        api_key=args.api_key or None,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
     )
     app = create_app(engine_config(args), server)
     print(f"Parley: open http://{args.host}:{args.port}/ in a browser", file=sys.stderr)
@@ -98,7 +110,9 @@ def serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        ws_max_size=MAX_FRAME_BYTES,
+        # Frames up to 4x our limit get a polite "too_large" error and the socket lives on;
+        # beyond that uvicorn closes it (1009) without buffering more.
+        ws_max_size=4 * MAX_FRAME_BYTES,
     )
 
 

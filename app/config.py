@@ -101,6 +101,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk_while_decoding: int = 48
     max_waiting: int = 256  # requests queued beyond a full batch; more are refused at once
+    request_timeout_s: float | None = 600.0  # a request running longer is stopped
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -15,12 +15,19 @@ Per turn it records time to first token, inter-token gaps, end-to-end latency an
 prompt / cached / completion tokens the server reports; it prints p50/p90/p99 and TTFT by
 turn index, writes a JSON file, and with --plot a PNG. --compare-no-reuse runs the same
 workload again with `cache: false` (no K/V kept between turns) and prints both side by side.
+
+--soak runs mixed traffic for --duration seconds (conversations of random length, random
+reply lengths, random cancels and dropped connections), then deletes every conversation it
+made and checks the server: no unexpected errors, no request left, no block held, and a
+resident memory growth of at most 5% after the warm-up (from /metrics). It exits non-zero
+when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -146,7 +153,7 @@ async def converse(url: str, user: int, number: int, args, rec: Recorder, cache:
                 },
             }
             await ws.send(json.dumps(frame))
-            reply = await receive_turn(ws, turn, rec)
+            reply = await receive_turn(ws, turn, rec, f"t{index}")
             if turn.error:
                 return
             messages.append({"role": "assistant", "content": reply})
@@ -155,12 +162,15 @@ async def converse(url: str, user: int, number: int, args, rec: Recorder, cache:
         await ws.send(json.dumps({"type": "delete", "conversation_id": conversation}))
 
 
-async def receive_turn(ws, turn: Turn, rec: Recorder) -> str:
+async def receive_turn(ws, turn: Turn, rec: Recorder, turn_id: str | None = None) -> str:
+    """Frames of one turn until its done or error (frames of other turns are skipped)."""
     parts: list[str] = []
     last = None
     while True:
         f = json.loads(await ws.recv())
         now = time.monotonic()
+        if turn_id is not None and f.get("id") not in (turn_id, None):
+            continue
         if f.get("type") == "start":
             turn.prompt_tokens, turn.cached_tokens = f["prompt_tokens"], f["cached_tokens"]
         elif f.get("type") == "token":
@@ -333,6 +343,156 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+async def soak(args) -> dict:
+    """Mixed traffic with cancels and disconnects, then the server must be clean."""
+    rec = Recorder()
+    http = args.url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/ws", 1)[0]
+    deadline = rec.started + args.duration
+    created: list[str] = []
+    counts: Counter[str] = Counter()
+    rss: list[tuple[float, float]] = []
+
+    async def user(u: int) -> None:
+        rng = random.Random(f"soak/{args.seed}/{u}")
+        number = 0
+        while time.monotonic() < deadline:
+            conversation = f"soak-{args.seed}-{u}-{number}"
+            number += 1
+            created.append(conversation)
+            try:
+                await soak_conversation(conversation, rng)
+            except (OSError, websockets.WebSocketException) as exc:
+                rec.errors[type(exc).__name__] += 1
+
+    async def soak_conversation(conversation: str, rng: random.Random) -> None:
+        messages: list[dict[str, str]] = []
+        async with websockets.connect(args.url, max_size=None) as ws:
+            for index in range(1, rng.randint(1, args.turns) + 1):
+                messages.append(
+                    {
+                        "role": "user",
+                        "content": user_message(
+                            args.seed, hash(conversation) % 1000, 0, index, args.paste_probability
+                        ),
+                    }
+                )
+                turn = Turn(0, conversation, index, time.monotonic())
+                rec.turns.append(turn)
+                await ws.send(json.dumps({
+                    "type": "chat", "id": f"t{index}", "conversation_id": conversation,
+                    "messages": messages,
+                    "params": {"temperature": 0.8, "max_tokens": rng.randint(4, args.max_tokens),
+                               "seed": rng.randrange(1000)},
+                }))  # fmt: skip
+                action = rng.random()
+                if action < args.cancel_probability:
+                    counts["cancels"] += 1
+                    asyncio.get_running_loop().call_later(
+                        rng.uniform(0, 0.5), lambda i=index: asyncio.ensure_future(cancel(ws, i))
+                    )
+                drop = args.cancel_probability <= action
+                drop = drop and action < args.cancel_probability + args.disconnect_probability
+                try:
+                    # A dropped connection: stop listening after a random moment, mid-reply.
+                    async with asyncio.timeout(rng.uniform(0, 0.5) if drop else 300):
+                        reply = await receive_turn(ws, turn, rec, f"t{index}")
+                except TimeoutError:
+                    if not drop:
+                        turn.error = "turn timed out"
+                        rec.errors[turn.error] += 1
+                        return
+                    counts["disconnects"] += 1
+                    turn.error = "disconnected by the client"
+                    return  # leaving the block closes the socket mid-reply
+                if turn.error:
+                    return
+                messages.append({"role": "assistant", "content": reply})
+
+    async def cancel(ws, index: int) -> None:
+        # A cancel that comes after the reply ended gets "unknown_id" for that old turn,
+        # which receive_turn ignores (it only reads the current turn's frames).
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ws.send(json.dumps({"type": "cancel", "id": f"t{index}"}))
+
+    async def sample_rss() -> None:
+        async with httpx_client() as client:
+            while True:
+                rss.append((time.monotonic() - rec.started, await resident_mib(client, http)))
+                await asyncio.sleep(2)
+
+    sampler = asyncio.create_task(sample_rss())
+    reporter = asyncio.create_task(report_progress(rec))
+    try:
+        async with asyncio.timeout(args.duration + min(args.timeout, 600)):
+            await asyncio.gather(*(user(u) for u in range(args.users)))
+    finally:
+        reporter.cancel()
+        print(rec.progress(), file=sys.stderr)
+    # Forget every conversation, then the server must hold nothing.
+    async with websockets.connect(args.url) as ws:
+        for conversation in created:
+            await ws.send(json.dumps({"type": "delete", "conversation_id": conversation}))
+            await asyncio.wait_for(ws.recv(), 10)
+    async with httpx_client() as client:
+        clean = None
+        for _ in range(100):
+            m = await scrape(client, http)
+            clean = {
+                "num_requests_running": m.get("parley:num_requests_running"),
+                "num_requests_waiting": m.get("parley:num_requests_waiting"),
+                "kv_cache_usage_perc": m.get("parley:kv_cache_usage_perc"),
+                "sessions_pinned": m.get("parley:sessions_pinned"),
+            }
+            if not any(clean.values()):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.5)
+        sampler.cancel()
+        rss.append((time.monotonic() - rec.started, await resident_mib(client, http)))
+    warm = [v for t, v in rss if t >= 0.2 * args.duration] or [v for _, v in rss]
+    growth = rss[-1][1] / warm[0] - 1
+    unexpected = {k: v for k, v in rec.errors.items() if v}
+    result = summarize(rec, time.monotonic() - rec.started)
+    result["soak"] = {
+        "duration_s": args.duration,
+        "conversations": len(created),
+        **counts,
+        "unexpected_errors": unexpected,
+        "server_after": clean,
+        "rss_mib": rss,
+        "rss_after_warmup_mib": warm[0],
+        "rss_growth": growth,
+        "passed": not unexpected and not any((clean or {}).values()) and growth <= 0.05,
+    }
+    return result
+
+
+def httpx_client():
+    import httpx
+
+    return httpx.AsyncClient(timeout=10)
+
+
+async def scrape(client, http: str) -> dict[str, float]:
+    text = (await client.get(http + "/metrics")).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            values[name] = float(value)
+    return values
+
+
+async def resident_mib(client, http: str) -> float:
+    return (await scrape(client, http)).get("process_resident_memory_bytes", 0.0) / 2**20
+
+
+async def report_progress(rec: Recorder) -> None:
+    while True:
+        print(rec.progress(), end="", file=sys.stderr, flush=True)
+        await asyncio.sleep(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="ws://127.0.0.1:8000/ws")
@@ -348,9 +508,30 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600.0, help="hard stop (s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-no-reuse", action="store_true")
+    ap.add_argument("--soak", action="store_true", help="mixed traffic, then check the server")
+    ap.add_argument("--cancel-probability", type=float, default=0.15)
+    ap.add_argument("--disconnect-probability", type=float, default=0.1)
     ap.add_argument("--out", default="bench/results/ws_load.json")
     ap.add_argument("--plot", nargs="?", const="bench/results/ws_load.png", default=None)
     args = ap.parse_args()
+
+    if args.soak:
+        if not args.duration:
+            ap.error("--soak needs --duration")
+        result = asyncio.run(soak(args))
+        report("soak", result)
+        s = result["soak"]
+        print(f"   {s['conversations']} conversations, {s.get('cancels', 0)} cancels, "
+              f"{s.get('disconnects', 0)} disconnects; unexpected errors: "
+              f"{s['unexpected_errors'] or 'none'}")  # fmt: skip
+        print(f"   server afterwards: {s['server_after']}")
+        print(f"   RSS after warm-up {s['rss_after_warmup_mib']:.0f} MiB, at the end "
+              f"{s['rss_mib'][-1][1]:.0f} MiB ({s['rss_growth']:+.1%})")  # fmt: skip
+        print("   PASSED" if s["passed"] else "   FAILED")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"config": vars(args), "runs": {"soak": result}},
+                                             indent=1))  # fmt: skip
+        sys.exit(0 if s["passed"] else 1)
 
     results = {"reuse": asyncio.run(run(args, cache=True))}
     report("with reuse", results["reuse"])

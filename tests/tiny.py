@@ -72,6 +72,8 @@ def tiny_engine(
     prefill_chunk_while_decoding: int = 64,
     prefix_caching: bool = True,
     seed: int = 0,
+    request_timeout_s: float | None = None,
+    max_waiting: int = 256,
     **arch_overrides,
 ) -> LLMEngine:
     """An engine on a tiny model with a KV cache of exactly `num_blocks` blocks
@@ -89,6 +91,8 @@ def tiny_engine(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk_while_decoding=prefill_chunk_while_decoding,
+            request_timeout_s=request_timeout_s,
+            max_waiting=max_waiting,
         ),
         debug_checks=True,
     )

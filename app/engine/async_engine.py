@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +63,8 @@ class AsyncEngine:
         self.capacity = sched.max_num_seqs + sched.max_waiting
         self.num_in_flight = 0  # generate() calls under way (touched on the event loop)
         self._stats = engine.stats()  # a snapshot the engine thread refreshes
+        self._malloc_trim = None
+        self._next_trim = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -180,6 +184,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     self.engine.housekeeping()
                     self._stats = self.engine.stats()
+                    self._trim_heap()
                     if self._idle_check_s:
                         self.engine.check_integrity()
                     # Wake at least once a minute for housekeeping (pins expire).
@@ -193,16 +198,34 @@ class AsyncEngine:
                     outputs = self._fail_all(exc)
                 self._stats = self.engine.stats()
                 self._deliver(outputs)
-        except BaseException as exc:  # pragma: no cover - the loop itself is broken
+        except BaseException as exc:  # the loop itself is broken: report, do not hide
             log.exception("engine loop died")
             self.error = exc
             self._fail_streams(EngineDeadError(f"engine loop died: {exc!r}"))
-            raise
         finally:
-            self._drain_inbox()  # releases and aborts sent before stop() still apply
-            for request_id in list(self.engine.requests):
-                self.engine.abort(request_id)
+            try:
+                self._drain_inbox()  # releases and aborts sent before stop() still apply
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+            except Exception:
+                log.exception("cleaning up after the engine loop failed")
             self._fail_streams(EngineDeadError("the engine stopped"))
+
+    def _trim_heap(self) -> None:
+        """When idle, hand freed heap memory back to the OS (glibc keeps it otherwise:
+        steps allocate tensors of ever-different sizes, and a long run's resident memory
+        would creep up). At most every 10 seconds; a no-op without glibc."""
+        now = time.monotonic()
+        if now < self._next_trim:
+            return
+        self._next_trim = now + 10.0
+        if self._malloc_trim is None:
+            try:
+                self._malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                self._malloc_trim = False
+        if self._malloc_trim:
+            self._malloc_trim(0)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -26,7 +26,7 @@ from app.engine.kv_manager import KVCacheManager
 from app.engine.model_runner import ModelRunner
 from app.engine.request import FinishReason, Request, SamplingParams, Timings
 from app.engine.sampler import Sampler
-from app.engine.scheduler import Scheduler
+from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.model.llama import LlamaModel
 from app.model.loader import LoadedModel, load_model
 
@@ -245,11 +245,18 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
 
     def housekeeping(self) -> None:
-        """Periodic chores, at most once a second: let go of expired session pins."""
+        """Periodic chores, at most once a second: let go of expired session pins, stop
+        requests over their time limit."""
         now = time.monotonic()
-        if now >= self._next_housekeeping:
-            self._next_housekeeping = now + 1.0
-            self.kv.pins.expire(self.config.cache.session_ttl_s, now)
+        if now < self._next_housekeeping:
+            return
+        self._next_housekeeping = now + 1.0
+        self.kv.pins.expire(self.config.cache.session_ttl_s, now)
+        limit = self.config.scheduler.request_timeout_s
+        if limit:
+            for req in list(self.requests.values()):
+                if now - req.timings.arrival > limit:
+                    self.abort(req.request_id, FinishReason.TIMEOUT)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return what it produced."""
@@ -257,12 +264,31 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
         if not sched.is_empty:
-            sampled = self.runner.run(sched)
+            try:
+                sampled = self.runner.run(sched)
+            except Exception:
+                log.exception("a batch of %d requests failed; retrying them one by one",
+                              len(sched.scheduled))  # fmt: skip
+                sampled = self._run_one_by_one(sched)
             self.scheduler.update(sched)
             outputs.extend(self._process(sched.scheduled, sampled))
+            outputs.extend(self._aborted)  # requests failed this step
+            self._aborted = []
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
+
+    def _run_one_by_one(self, sched: SchedulerOutput) -> dict[str, int]:
+        """After a failed batch: run each request alone, so that the one that fails ends
+        with an error and the others go on."""
+        sampled: dict[str, int] = {}
+        for s in sched.scheduled:
+            try:
+                sampled.update(self.runner.run(SchedulerOutput([s])))
+            except Exception:
+                log.exception("request %s failed", s.request.request_id)
+                self.abort(s.request.request_id, FinishReason.ERROR)
+        return sampled
 
     def _process(self, scheduled: list, sampled: dict[str, int]) -> list[RequestOutput]:
         outputs = []
@@ -270,41 +296,53 @@ class LLMEngine:
         for s in scheduled:
             req: Request = s.request
             token = sampled.get(req.request_id)
-            if token is None:
-                continue  # a prefill chunk short of the prompt's end
-            req.append_output_token(token)
-            gap = None if req.timings.last_token is None else now - req.timings.last_token
-            if req.timings.first_token is None:
-                req.timings.first_token = now
-            req.timings.last_token = now
-            for listener in self.listeners:
-                listener.on_tokens(req, 1, gap)
-            detok = req.detokenizer
-            assert detok is not None
-            reason = None
-            text = ""
-            if token in req.stop_token_ids:
-                reason = FinishReason.STOP  # the stop token's text is never shown
-            else:
-                text = detok.add_tokens([token])
-                if detok.stopped:
-                    reason = FinishReason.STOP
-            if reason is None and (
-                req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
-            ):
-                reason = FinishReason.LENGTH
-            if reason is not None and not detok.stopped:
-                text += detok.flush()
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                del self.requests[req.request_id]
-                for listener in self.listeners:
-                    listener.on_finished(req)
-            outputs.append(self._output(req, text, [token]))
+            if token is None or req.is_finished:
+                continue  # a prefill chunk short of the prompt's end, or a failed request
+            try:
+                outputs.append(self._accept_token(req, token, now))
+            except Exception:  # e.g. the detokenizer: this request fails, the others go on
+                log.exception("request %s failed after sampling", req.request_id)
+                self.abort(req.request_id, FinishReason.ERROR)
         return outputs
 
+    def _accept_token(self, req: Request, token: int, now: float) -> RequestOutput:
+        """Append a sampled token, run the stop checks; the request's output."""
+        req.append_output_token(token)
+        gap = None if req.timings.last_token is None else now - req.timings.last_token
+        if req.timings.first_token is None:
+            req.timings.first_token = now
+        req.timings.last_token = now
+        for listener in self.listeners:
+            listener.on_tokens(req, 1, gap)
+        detok = req.detokenizer
+        assert detok is not None
+        reason = None
+        text = ""
+        if token in req.stop_token_ids:
+            reason = FinishReason.STOP  # the stop token's text is never shown
+        else:
+            text = detok.add_tokens([token])
+            if detok.stopped:
+                reason = FinishReason.STOP
+        if reason is None and (
+            req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None and not detok.stopped:
+            text += detok.flush()
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            del self.requests[req.request_id]
+            for listener in self.listeners:
+                listener.on_finished(req)
+        return self._output(req, text, [token])
+
     def _output(self, req: Request, text: str, token_ids: list[int]) -> RequestOutput:
-        cut_short = req.finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
+        cut_short = req.finish_reason in (
+            FinishReason.ABORT,
+            FinishReason.TIMEOUT,
+            FinishReason.ERROR,
+        )
         if req.is_finished and cut_short and req.detokenizer:
             text += "" if req.detokenizer.stopped else req.detokenizer.flush()
         return RequestOutput(

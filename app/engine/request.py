@@ -122,6 +122,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, end-of-turn, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # abort(request_id): a cancel or a client that went away
+    TIMEOUT = "timeout"  # over the per-request time limit
     ERROR = "error"  # the engine failed this request
 
 

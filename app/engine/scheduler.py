@@ -200,6 +200,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens now have K/V in the cache."""
         for s in out.scheduled:
+            if s.request.is_finished:
+                continue  # failed during the step; its blocks are gone
             s.request.num_computed_tokens += s.num_tokens
             self.kv.cache_full_blocks(s.request)
 

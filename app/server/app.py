@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -22,6 +22,7 @@ from starlette.templating import Jinja2Templates
 from app.config import EngineConfig
 from app.server import openai_api
 from app.server.metrics import CONTENT_TYPE, Metrics
+from app.server.security import COOKIE, Access
 from app.server.turns import ChatConfig, ChatService
 from app.server.ws import ws_endpoint
 
@@ -48,6 +49,8 @@ class ServerConfig:
     log_level: str = "info"
     chat: ChatConfig = field(default_factory=ChatConfig)
     otlp_endpoint: str | None = None  # OpenTelemetry traces go here when set
+    api_key: str | None = None  # required on /v1 (Bearer) and /ws (cookie or Bearer)
+    allowed_origins: tuple[str, ...] = ()  # besides the page's own origin, for /ws
 
 
 def create_app(
@@ -61,6 +64,7 @@ def create_app(
     listeners, e.g. a RequestTracer) are attached to it besides the metrics."""
     server_config = server_config or ServerConfig()
     templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
+    access = Access(server_config.api_key, server_config.allowed_origins)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -81,6 +85,7 @@ def create_app(
         eng.start()
         try:
             yield {
+                "access": access,
                 "chat": chat,
                 "engine": eng,
                 "metrics": metrics,
@@ -93,6 +98,8 @@ def create_app(
                     listener.shutdown()
 
     async def index(request: Request) -> Response:
+        if not access.cookie_ok(request.cookies):
+            return login_page(request)
         engine_ = request.state.engine
         response = templates.TemplateResponse(
             request,
@@ -100,6 +107,24 @@ def create_app(
             {"model_name": getattr(engine_, "model_name", "model")},
         )
         response.headers["Content-Security-Policy"] = CSP
+        return response
+
+    def login_page(request: Request, error: str | None = None) -> Response:
+        response = templates.TemplateResponse(
+            request, "login.html", {"error": error}, status_code=401 if error else 200
+        )
+        response.headers["Content-Security-Policy"] = CSP
+        return response
+
+    async def login(request: Request) -> Response:
+        form = await request.form()
+        key = form.get("key")
+        if not access.enabled:
+            return RedirectResponse("/", status_code=303)
+        if not isinstance(key, str) or not access.key_matches(key):
+            return login_page(request, "That key is not right.")
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(COOKIE, access.page_token(), httponly=True, samesite="strict", path="/")
         return response
 
     async def health(request: Request) -> Response:
@@ -117,6 +142,7 @@ def create_app(
 
     routes = [
         Route("/", index),
+        Route("/login", login, methods=["POST"]),
         Route("/health", health),
         Route("/ready", ready),
         Route("/metrics", metrics),

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -63,6 +69,7 @@ class Metrics:
             registry=r,
         )
         r.register(_EngineCollector(engine))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc. (soak tests)
 
     # -- EngineListener (called on the engine's thread) -----------------------------------
 

@@ -271,14 +271,21 @@ class OpenAIAPI:
 def routes() -> list[Route]:
     """The /v1 routes; each finds the app's OpenAIAPI in the lifespan state."""
 
-    async def models(request: Request) -> Response:
-        return await request.state.openai.models(request)
+    def authorized(handler):
+        async def endpoint(request: Request) -> Response:
+            if not request.state.access.bearer_ok(request.headers):
+                return APIError(
+                    401,
+                    "a valid API key is required: Authorization: Bearer <key>",
+                    code="invalid_api_key",
+                ).response()
+            return await handler(request.state.openai, request)
 
-    async def chat_completions(request: Request) -> Response:
-        return await request.state.openai.chat_completions(request)
+        return endpoint
 
-    async def completions(request: Request) -> Response:
-        return await request.state.openai.completions(request)
+    models = authorized(OpenAIAPI.models)
+    chat_completions = authorized(OpenAIAPI.chat_completions)
+    completions = authorized(OpenAIAPI.completions)
 
     return [
         Route("/v1/models", models, methods=["GET"]),

@@ -35,6 +35,7 @@ class Engine(Protocol):
 class ChatConfig:
     max_turns_per_socket: int = 8
     max_conversations: int = 10_000
+    max_connections: int = 256  # open /ws sockets; more are refused with "busy"
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ChatService:
         self.prompt = ChatPrompt(engine.tokenizer)
         self.store = ConversationStore(engine.release_session, self.config.max_conversations)
         self.max_tokens_limit = engine.max_model_len - 1
+        self.connections = 0  # open /ws sockets (event-loop only)
 
     def begin_turn(self, frame: p.ChatFrame) -> Turn:
         """Resolve history and prompt. Raises ProtocolError."""

@@ -199,5 +199,32 @@ class ChatSocket:
                 await self.ws.close()
 
 
+# Close codes (RFC 6455): policy violation, and "try again later".
+POLICY_VIOLATION = 1008
+TRY_AGAIN_LATER = 1013
+
+
 async def ws_endpoint(websocket: WebSocket) -> None:
-    await ChatSocket(websocket, websocket.state.chat).run()
+    access, chat = websocket.state.access, websocket.state.chat
+    if not access.origin_ok(websocket.headers, websocket.url.scheme):
+        log.warning("refused a /ws handshake from origin %s", websocket.headers.get("origin"))
+        await websocket.close(POLICY_VIOLATION)  # before accept: the handshake gets a 403
+        return
+    if not (access.cookie_ok(websocket.cookies) or access.bearer_ok(websocket.headers)):
+        await websocket.close(POLICY_VIOLATION)
+        return
+    if chat.connections >= chat.config.max_connections:
+        await websocket.accept()
+        err = p.ProtocolError(
+            p.BUSY,
+            f"too many connections (at most {chat.config.max_connections}); retry shortly",
+            retryable=True,
+        )
+        await websocket.send_text(p.error_frame(err))
+        await websocket.close(TRY_AGAIN_LATER)
+        return
+    chat.connections += 1
+    try:
+        await ChatSocket(websocket, chat).run()
+    finally:
+        chat.connections -= 1

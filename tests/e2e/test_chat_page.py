@@ -97,6 +97,26 @@ def test_stop_keeps_the_partial_reply(page, fake):
     assert text.startswith("word0") and "word399" not in text
 
 
+def test_a_reload_mid_reply_keeps_the_conversation(page, fake):
+    fake.reply = " ".join(f"word{i}" for i in range(400))
+    fake.delay = 0.02
+    send(page, "Tell me everything")
+    page.wait_for_function(
+        "() => document.querySelector('.message.assistant .bubble').innerText.length > 40"
+    )
+    page.wait_for_timeout(700)  # the streaming reply is saved twice a second
+    page.reload()
+    page.wait_for_selector("#connection[data-state=open]")
+    assert page.locator(".message.user .bubble").inner_text() == "Tell me everything"
+    assert page.locator(".message.assistant .bubble").inner_text().startswith("word0")
+    assert "interrupted" in page.locator(".message.assistant .meta").inner_text()
+    fake.reply = "a fresh answer"
+    fake.delay = 0.001
+    page.click(".message.assistant .regenerate")
+    wait_reply_done(page)
+    assert page.locator(".message.assistant .bubble").inner_text() == "a fresh answer"
+
+
 def test_regenerate_and_edit_resend_the_right_history(page, fake, tokenizer):
     send(page, "First question")
     wait_reply_done(page)
