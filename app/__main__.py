@@ -15,10 +15,25 @@ import os
 import sys
 import time
 
-from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from app.config import (
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_size,
+)
 
 FLAGS: list[tuple[str, dict]] = [
     ("--model", dict(help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")),
+    (
+        "--quantization",
+        dict(
+            choices=QUANTIZATIONS,
+            default="none",
+            help="linear weights: none (as loaded, fp32) or int8 (CPU; faster, less exact)",
+        ),
+    ),
     ("--host", dict(default="127.0.0.1", help="address to listen on")),
     ("--port", dict(type=int, default=8000)),
     ("--kv-cache-size", dict(type=parse_size, default="1GiB", help="e.g. 512MiB, 2GiB")),
@@ -69,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=args.model),
+        model=ModelConfig(model=args.model, quantization=args.quantization),
         cache=CacheConfig(
             kv_cache_bytes=args.kv_cache_size,
             block_size=args.block_size,

@@ -47,6 +47,9 @@ def default_cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "parley"
 
 
+QUANTIZATIONS = ("none", "int8")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to load and how.
@@ -59,10 +62,18 @@ class ModelConfig:
     dtype: str = "float32"
     max_model_len: int | None = None  # None: the model's own context length
     cache_dir: Path = field(default_factory=default_cache_dir)
+    # Linear weights: "none" (as loaded) or "int8" (app.model.quantize; CPU only).
+    # fp32 is the default because int8 misses the greedy-agreement half of its quality
+    # gate on the default model (bench/README.md, "int8 weights").
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
 

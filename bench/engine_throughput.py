@@ -1,4 +1,5 @@
-"""Engine throughput: Parley against transformers' generate, side by side in one process.
+"""Engine throughput: Parley (fp32 and int8 weights) against transformers' generate, side
+by side in one process.
 
     python bench/engine_throughput.py            # everything (~10 minutes on 2 cores)
     python bench/engine_throughput.py --quick    # fewer tokens, for a smoke run
@@ -190,7 +191,7 @@ def best(fn, repeats: int, key: str = "tok_s", lower: bool = False):
     return (min if lower else max)(runs, key=lambda r: r[key])
 
 
-def peak_rss_child(kv_bytes: int, max_tokens: int) -> dict:
+def peak_rss_child(kv_bytes: int, max_tokens: int, quantization: str = "none") -> dict:
     """Peak RSS of a fresh process that loads the model with a `kv_bytes` cache and
     serves 64 requests (so that the cache is really written). Read from VmHWM: a child's
     ru_maxrss starts from its parent's peak (Linux carries it across fork and exec)."""
@@ -200,9 +201,10 @@ sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 import torch
 torch.set_num_threads(2)
 from bench.engine_throughput import short_prompts, parley_batch
-from app.config import CacheConfig, EngineConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
-e = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_bytes={kv_bytes})))
+e = LLMEngine(EngineConfig(model=ModelConfig(quantization={quantization!r}),
+                           cache=CacheConfig(kv_cache_bytes={kv_bytes})))
 weights = e.model_bytes
 parley_batch(e, short_prompts(e.tokenizer, 64), {max_tokens})
 hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
@@ -222,6 +224,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-int8", action="store_true", help="no int8 column")
     ap.add_argument("--out", default="bench/results/engine_throughput.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -238,6 +241,12 @@ def main() -> None:
 
     loaded = load_model(ModelConfig())
     engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_bytes=2 * GiB)), loaded)
+    int8 = None
+    if not args.skip_int8:
+        config = EngineConfig(
+            model=ModelConfig(quantization="int8"), cache=CacheConfig(kv_cache_bytes=2 * GiB)
+        )
+        int8 = LLMEngine(config, loaded)
     tok = engine.tokenizer
     hf = None if args.skip_hf else hf_model(Path(_default_path()))
     pad = tok.eos_token_id
@@ -246,6 +255,13 @@ def main() -> None:
         prompts = short_prompts(tok, n)
         parley = best(lambda: parley_batch(engine, prompts, max_tokens), args.repeats)
         row = {"requests": n, "prompt_tokens": len(prompts[0]), "parley": parley}
+        if int8 is not None:
+            row["parley_int8"] = best(lambda: parley_batch(int8, prompts, max_tokens), args.repeats)
+            row["int8_vs_fp32"] = row["parley_int8"]["tok_s"] / parley["tok_s"]
+            if n == 1:
+                row["int8_vs_fp32_decode"] = (
+                    row["parley_int8"]["decode_tok_s"] / parley["decode_tok_s"]
+                )
         if hf is not None:
             base = best(lambda: hf_batch(hf, prompts, max_tokens, pad), args.repeats)
             row["hf"] = base
@@ -262,6 +278,8 @@ def main() -> None:
     long = long_prompt(tok, 1500, "ttft")
     ttft = {"prompt_tokens": len(long)}
     ttft["parley_s"] = best(lambda: parley_ttft(engine, long), args.repeats, lower=True)
+    if int8 is not None:
+        ttft["parley_int8_s"] = best(lambda: parley_ttft(int8, long), args.repeats, lower=True)
     if hf is not None:
         ttft["hf_forward_s"] = best(lambda: hf_forward(hf, long), args.repeats, lower=True)
         ttft["ratio"] = ttft["parley_s"] / ttft["hf_forward_s"]
@@ -274,6 +292,13 @@ def main() -> None:
         table[n] = round(r["tok_s"], 1)
         print(f"concurrency {n}: {r['tok_s']:.1f} tok/s", flush=True)
     results["concurrency_tok_s"] = table
+    if int8 is not None:
+        table = {}
+        for n in (1, 4, 8, 16, 32, 64):
+            r = parley_batch(int8, short_prompts(tok, n), max_tokens)
+            table[n] = round(r["tok_s"], 1)
+            print(f"concurrency {n}, int8: {r['tok_s']:.1f} tok/s", flush=True)
+        results["concurrency_int8_tok_s"] = table
 
     itl = parley_itl_under_long_prefill(engine, short_prompts(tok, 8), long_prompt(tok, 2000, "l"))
     results["itl_under_long_prefill"] = itl
@@ -281,6 +306,11 @@ def main() -> None:
 
     results["rss"] = peak_rss_child(2 * GiB, max_tokens)
     print("rss", json.dumps(results["rss"]), flush=True)
+    if int8 is not None:
+        results["rss_int8"] = rss = peak_rss_child(2 * GiB, max_tokens, "int8")
+        if "peak_rss_mib" in rss and "peak_rss_mib" in results["rss"]:
+            rss["saved_vs_fp32_mib"] = results["rss"]["peak_rss_mib"] - rss["peak_rss_mib"]
+        print("rss_int8", json.dumps(rss), flush=True)
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -29,3 +29,13 @@ def test_sizes(text, size):
 def test_bad_sizes(text):
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+def test_quantization_flag_and_environment(monkeypatch):
+    assert engine_config(build_parser().parse_args([])).model.quantization == "none"
+    monkeypatch.setenv("PARLEY_QUANTIZATION", "int8")
+    assert engine_config(build_parser().parse_args([])).model.quantization == "int8"
+    args = build_parser().parse_args(["--quantization", "none"])
+    assert engine_config(args).model.quantization == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "int4"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from app.engine.engine import LLMEngine
 from app.model.arch import ArchConfig
 from app.model.loader import LoadedModel
@@ -62,6 +62,11 @@ def tiny_loaded(tokenizer, seed: int = 0, **arch_overrides) -> LoadedModel:
     return LoadedModel("tiny", arch, tiny_weights(arch, seed), tokenizer, eos)
 
 
+# The weight format of every tiny engine; test modules that rerun a suite with int8
+# weights set it (see tests/engine/test_int8_engine.py).
+QUANTIZATION = "none"
+
+
 def tiny_engine(
     tokenizer,
     *,
@@ -82,6 +87,7 @@ def tiny_engine(
     arch = loaded.arch
     per_block = 2 * arch.num_layers * block_size * arch.kv_size * 4
     config = EngineConfig(
+        model=ModelConfig(quantization=QUANTIZATION),
         cache=CacheConfig(
             kv_cache_bytes=num_blocks * per_block,
             block_size=block_size,

@@ -27,8 +27,9 @@ from app.engine.model_runner import ModelRunner
 from app.engine.request import FinishReason, Request, SamplingParams, Timings
 from app.engine.sampler import Sampler
 from app.engine.scheduler import Scheduler, SchedulerOutput
-from app.model.llama import LlamaModel
+from app.model.build import build_model
 from app.model.loader import LoadedModel, load_model
+from app.model.quantize import int8_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,11 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(loaded)
         dtype = getattr(torch, config.model.dtype)
         self.model_bytes = sum(w.numel() * w.element_size() for w in loaded.weights.values())
-        self.model = LlamaModel.from_weights(loaded.arch, loaded.weights, self.max_model_len)
-        self.model.to(config.device)
-        if torch.device(config.device).type == "cpu":
-            self.model.pack_for_cpu()
+        self.model, self.weight_format = build_model(
+            loaded, config.model, config.device, self.max_model_len
+        )
+        if config.model.quantization == "int8":
+            self.model_bytes = int8_weight_bytes(self.model)
         if model is None:
             # Ours alone: drop the memory-mapped weights before the KV cache takes memory.
             loaded.weights = {}
@@ -127,8 +129,10 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._next_housekeeping = 0.0
         log.info(
-            "engine ready: %s, max_model_len %d, KV cache %d blocks x %d tokens (%.0f MiB)",
+            "engine ready: %s, %s weights, max_model_len %d, KV cache %d blocks x %d tokens "
+            "(%.0f MiB)",
             self.model_name,
+            self.weight_format,
             self.max_model_len,
             self.kv.pool.num_blocks,
             config.cache.block_size,

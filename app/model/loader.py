@@ -7,6 +7,7 @@ safetensors next to the tokenizer; a warm start only maps that file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -42,6 +43,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # names of app.model.llama.LlamaModel
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
+    cache_key: str | None = None  # names derived files (e.g. int8 weights) in the cache
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
@@ -62,7 +64,18 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
     dtype = getattr(torch, cfg.dtype)
     weights = {k: v.to(dtype) for k, v in weights.items()}
-    return LoadedModel(name, arch, weights, tokenizer, _eos_token_ids(tokenizer, path))
+    eos = _eos_token_ids(tokenizer, path)
+    return LoadedModel(name, arch, weights, tokenizer, eos, _cache_key(path))
+
+
+def _cache_key(path: Path) -> str:
+    """Changes when the checkpoint does (size and modification time of its files)."""
+    files = sorted(path.glob("*")) if path.is_dir() else [path]
+    h = hashlib.sha256(str(path.resolve()).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{path.stem}-{h.hexdigest()[:12]}"
 
 
 def fuse_weights(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:

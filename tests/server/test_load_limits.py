@@ -76,8 +76,11 @@ def test_a_flood_past_the_queue_gets_busy_at_once_and_the_rest_finish(tokenizer)
         async def ws_flood():
             url = s.url.replace("http", "ws") + "/ws"
             async with websockets.connect(url) as a, websockets.connect(url) as b:
-                for i in range(8):
-                    await (a if i % 2 else b).send(chat(f"t{i}", f"c{i}", 200))
+                for i in range(8):  # long turns on one socket: a full batch, a full queue
+                    await b.send(chat(f"t{i}", f"c{i}", 1500))
+                started = 0
+                while started < 4:  # the batch is running (max_num_seqs=4)
+                    started += json.loads(await b.recv())["type"] == "start"
                 await a.send(chat("extra", "cx", 5))
                 while (f := json.loads(await a.recv()))["id"] != "extra":
                     pass

@@ -1,0 +1,90 @@
+"""The quality gate of int8 weights on the default model (SmolLM2-135M-Instruct).
+
+Two measures against fp32: perplexity on a fixed 2,000-token text written for the tests
+(tests/data), and greedy agreement on 20 fixed chat prompts (the first 16 tokens). int8 may
+become the default only if it passes both; today it passes the first and not the second
+(see bench/README.md), so these tests hold the perplexity bound, keep the default on fp32
+while agreement is short, and catch int8 getting worse than it is."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.config import CacheConfig, EngineConfig, ModelConfig
+from app.engine.llm import LLM
+from app.engine.request import SamplingParams
+from app.model.build import build_model
+from app.model.quantize import int8_available
+from tests.model.test_quantize import forward_all
+
+pytestmark = pytest.mark.skipif(not int8_available(), reason="PyTorch without fbgemm")
+
+DATA = Path(__file__).parent.parent / "data"
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain continuous batching in two sentences.",
+    "List three colors of the rainbow.",
+    "What is the boiling point of water at sea level?",
+    "Give me a haiku about autumn leaves.",
+    "How do I reverse a list in Python?",
+    "Who wrote the play Romeo and Juliet?",
+    "What is photosynthesis?",
+    "Translate 'good morning' into Spanish.",
+    "Name three planets in our solar system.",
+    "What does HTTP stand for?",
+    "Suggest a name for a pet goldfish.",
+    "Why is the sky blue?",
+    "What is 12 times 12?",
+    "Describe a cat in one sentence.",
+    "What are the benefits of regular exercise?",
+    "How many days are in a leap year?",
+    "Write a short greeting for a birthday card.",
+    "What is the largest ocean on Earth?",
+]
+GATE_AGREEMENT = 15  # of 20 prompts, from the issue that introduced int8
+FLOOR_AGREEMENT = 8  # what int8 reaches today is 10: less means it got worse
+
+
+def perplexity(model, ids: list[int]) -> float:
+    logits = forward_all(model, ids)[:-1].double()
+    logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])
+    return math.exp(-logp.mean().item())
+
+
+@pytest.fixture(scope="module")
+def models(smollm):
+    fp32, _ = build_model(smollm, ModelConfig(quantization="none"), "cpu", 4096)
+    int8, _ = build_model(smollm, ModelConfig(quantization="int8"), "cpu", 4096)
+    return fp32, int8
+
+
+def test_int8_perplexity_is_within_3_percent_of_fp32(smollm, models):
+    text = (DATA / "lighthouses.txt").read_text() + "\n\n" + (DATA / "essays.txt").read_text()
+    ids = smollm.tokenizer.encode(text)
+    assert len(ids) >= 2000
+    fp32, int8 = (perplexity(m, ids) for m in models)
+    print(f"perplexity fp32 {fp32:.3f} int8 {int8:.3f} ratio {int8 / fp32:.4f}")
+    assert int8 <= 1.03 * fp32
+
+
+def greedy_16(smollm, quantization: str) -> list[list[int]]:
+    config = EngineConfig(
+        model=ModelConfig(quantization=quantization),
+        cache=CacheConfig(256 << 20, enable_prefix_caching=False),
+    )
+    llm = LLM(config=config, loaded=smollm)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    return [c.token_ids for c in llm.chat(chats, SamplingParams(temperature=0, max_tokens=16))]
+
+
+def test_greedy_agreement_decides_the_default(smollm):
+    fp32, int8 = greedy_16(smollm, "none"), greedy_16(smollm, "int8")
+    assert all(len(t) > 0 for t in fp32)
+    agree = sum(a == b for a, b in zip(fp32, int8, strict=True))
+    print(f"int8 agrees with fp32 on {agree} of {len(PROMPTS)} prompts (16 greedy tokens)")
+    assert agree >= FLOOR_AGREEMENT
+    if ModelConfig().quantization == "int8":
+        assert agree >= GATE_AGREEMENT, "int8 is the default but fails the agreement gate"
