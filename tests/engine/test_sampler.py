@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from app.engine.request import Request, SamplingParams
@@ -321,6 +321,9 @@ def test_greedy_picks_argmax_of_penalised_logits() -> None:
     assert Sampler()(logits, states).tolist() == [1, 0]
 
 
+NOISE = 1e-6  # logits closer than this are a tie for the reference
+
+
 def reference_support(logits: list[float], params: SamplingParams) -> set[int]:
     """Tokens a correct sampler may return, in float64, generous at ties and float noise."""
     vocab = len(logits)
@@ -330,14 +333,17 @@ def reference_support(logits: list[float], params: SamplingParams) -> set[int]:
     z /= params.temperature
     kept = torch.ones(vocab, dtype=torch.bool)
     if 0 < params.top_k < vocab:
-        kept = z >= z.sort(descending=True).values[params.top_k - 1]  # ties with the k-th stay
+        # Ties with the k-th stay, and so do logits a float32 rounding away from it.
+        kept = z >= z.sort(descending=True).values[params.top_k - 1] - NOISE
     allowed = {i for i in range(vocab) if kept[i]}
     if params.top_p < 1:
         # Renormalise over what top_k kept, then allow a token when the mass strictly above
-        # it (tied tokens may come in any order) is below top_p.
+        # it is below top_p. Tied tokens may come in any order, and "tied" includes logits
+        # closer than float32 can tell apart in a softmax (found by hypothesis: 0.0 and a
+        # denormal 5.6e-43 have the same probability in float32).
         probs = torch.zeros(vocab, dtype=torch.float64)
         probs[kept] = z[kept].softmax(dim=0)
-        allowed = {i for i in allowed if probs[z > z[i]].sum() < params.top_p + 1e-4}
+        allowed = {i for i in allowed if probs[z > z[i] + NOISE].sum() < params.top_p + 1e-4}
     if params.min_p > 0:
         allowed = {i for i in allowed if math.exp(z[i] - z.max()) >= params.min_p - 1e-4}
     return allowed | {int(z.argmax())}
@@ -357,6 +363,11 @@ row_params = st.builds(
     logits=st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=40),
     rows=st.lists(row_params, min_size=1, max_size=6),
     seed=st.integers(0, 2**32),
+)
+@example(  # a denormal apart from a tie at the top_p boundary
+    logits=[0.0, 0.5, 5.633219826585765e-43],
+    rows=[SamplingParams(temperature=1.0, top_p=0.5)],
+    seed=0,
 )
 def test_sampled_tokens_stay_in_reference_support(
     logits: list[float], rows: list[SamplingParams], seed: int
