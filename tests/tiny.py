@@ -77,6 +77,7 @@ def tiny_engine(
     prefill_chunk_while_decoding: int = 64,
     prefix_caching: bool = True,
     seed: int = 0,
+    dtype: str = "float32",
     request_timeout_s: float | None = None,
     max_waiting: int = 256,
     **arch_overrides,
@@ -85,9 +86,9 @@ def tiny_engine(
     (the null block included) and integrity checks after every step."""
     loaded = tiny_loaded(tokenizer, seed, **arch_overrides)
     arch = loaded.arch
-    per_block = 2 * arch.num_layers * block_size * arch.kv_size * 4
+    per_block = 2 * arch.num_layers * block_size * arch.kv_size * getattr(torch, dtype).itemsize
     config = EngineConfig(
-        model=ModelConfig(quantization=QUANTIZATION),
+        model=ModelConfig(quantization=QUANTIZATION, dtype=dtype),
         cache=CacheConfig(
             kv_cache_bytes=num_blocks * per_block,
             block_size=block_size,

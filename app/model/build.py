@@ -48,7 +48,9 @@ def build_model(
     check_quantization(cfg, device)
     if cfg.quantization == "int8":
         return _int8_model(loaded, cfg.cache_dir, max_positions), "int8 (W8A8, fbgemm)"
-    model = LlamaModel.from_weights(loaded.arch, loaded.weights, max_positions).to(device)
+    dtype = getattr(torch, cfg.dtype)
+    weights = {k: v.to(dtype) for k, v in loaded.weights.items()}  # no copy when equal
+    model = LlamaModel.from_weights(loaded.arch, weights, max_positions).to(device)
     if torch.device(device).type == "cpu":
         model.pack_for_cpu()
     return model, cfg.dtype

@@ -136,8 +136,9 @@ class LlamaModel(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Prepack every linear layer, LM head included, for oneDNN (see packed_linear).
-        The embedding stays plain: a tied LM head gets its own packed copy."""
-        if not packing_available():
+        The embedding stays plain: a tied LM head gets its own packed copy. fp32 only:
+        16-bit weights run as they are."""
+        if not packing_available() or self.embed_tokens.weight.dtype != torch.float32:
             return False
         self.packed_lm_head = pack_weight(self.lm_head_weight.detach())
         self.lm_head = None
@@ -163,7 +164,7 @@ class LlamaModel(nn.Module):
         h = self.norm(h[logits_indices])
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h)
-        return F.linear(h, self.lm_head_weight)
+        return F.linear(h, self.lm_head_weight).float()  # the sampler works in fp32
 
     @classmethod
     def from_weights(
@@ -173,5 +174,6 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):
             model = cls(arch, max_positions)
         model.load_state_dict(weights, strict=True, assign=True)
-        model.rotary = Rotary(arch, max_positions)  # buffers are not in the checkpoint
+        # Buffers are not in the checkpoint; they compute in the weights' dtype.
+        model.rotary = Rotary(arch, max_positions).to(model.embed_tokens.weight.dtype)
         return model.eval().requires_grad_(False)

@@ -1,7 +1,9 @@
 """LLMEngine on a tiny random model: scheduling, caching, preemption, abort, stops."""
 
 import pytest
+import torch
 
+import tests.tiny
 from app.engine.request import SamplingParams
 from tests.engine.util import all_free, run
 from tests.tiny import tiny_engine
@@ -220,3 +222,18 @@ def test_prompt_larger_than_the_cache_is_refused(tokenizer):
     engine = tiny_engine(tokenizer, num_blocks=5)  # 4 usable blocks = 64 tokens
     with pytest.raises(ValueError, match="KV cache holds only 64 tokens"):
         engine.add_request("x", prompts(1, 70)[0], GREEDY)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_weights_and_cache(tokenizer, dtype):
+    """ModelConfig.dtype: weights, activations and the K/V cache in 16 bits."""
+    if tests.tiny.QUANTIZATION != "none":
+        pytest.skip("int8 weights are made from float32")
+    ps = prompts(3)
+    engine = tiny_engine(tokenizer, dtype=dtype)
+    assert engine.kv_cache.tensor.dtype == getattr(torch, dtype)
+    got = generate(engine, ps, GREEDY)
+    full = generate(tiny_engine(tokenizer), ps, GREEDY)
+    assert all(r.finish_reason == "length" for r in got)
+    # Well-spread logits: 16-bit rounding does not change the first greedy tokens.
+    assert [r.token_ids[:4] for r in got] == [r.token_ids[:4] for r in full]
