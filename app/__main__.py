@@ -16,6 +16,7 @@ import sys
 import time
 
 from app.config import (
+    DTYPES,
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
@@ -32,6 +33,14 @@ FLAGS: list[tuple[str, dict]] = [
             choices=QUANTIZATIONS,
             default="none",
             help="linear weights: none (as loaded, fp32) or int8 (CPU; faster, less exact)",
+        ),
+    ),
+    (
+        "--dtype",
+        dict(
+            choices=DTYPES,
+            default="float32",
+            help="weights, activations and K/V: bfloat16 is faster where the CPU has bf16",
         ),
     ),
     ("--host", dict(default="127.0.0.1", help="address to listen on")),
@@ -84,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=args.model, quantization=args.quantization),
+        model=ModelConfig(model=args.model, dtype=args.dtype, quantization=args.quantization),
         cache=CacheConfig(
             kv_cache_bytes=args.kv_cache_size,
             block_size=args.block_size,

@@ -39,3 +39,11 @@ def test_quantization_flag_and_environment(monkeypatch):
     assert engine_config(args).model.quantization == "none"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--quantization", "int4"])
+
+
+def test_dtype_flag(monkeypatch):
+    assert engine_config(build_parser().parse_args([])).model.dtype == "float32"
+    monkeypatch.setenv("PARLEY_DTYPE", "bfloat16")
+    assert engine_config(build_parser().parse_args([])).model.dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--dtype", "float64"])

@@ -21,7 +21,7 @@ from torch import nn
 
 from app.model.arch import ArchConfig
 from app.model.attention import AttentionMetadata, paged_attention
-from app.model.packed_linear import pack_linears, pack_weight, packing_available
+from app.model.packed_linear import pack_linears, pack_weight, packable, packing_available
 
 
 class RMSNorm(nn.Module):
@@ -136,9 +136,9 @@ class LlamaModel(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Prepack every linear layer, LM head included, for oneDNN (see packed_linear).
-        The embedding stays plain: a tied LM head gets its own packed copy. fp32 only:
-        16-bit weights run as they are."""
-        if not packing_available() or self.embed_tokens.weight.dtype != torch.float32:
+        The embedding stays plain: a tied LM head gets its own packed copy. fp32, and bf16
+        where the CPU has bf16 kernels; other weights run as they are."""
+        if not packing_available() or not packable(self.embed_tokens.weight.dtype):
             return False
         self.packed_lm_head = pack_weight(self.lm_head_weight.detach())
         self.lm_head = None

@@ -62,11 +62,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+def packable(dtype: torch.dtype) -> bool:
+    """fp32 always; bf16 where oneDNN has native bf16 kernels (AVX-512 BF16 / AMX)."""
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+
 def pack_linears(module: nn.Module) -> int:
-    """Replace every float32 nn.Linear inside `module` by a PackedLinear. Returns how many."""
+    """Replace every packable nn.Linear inside `module` by a PackedLinear. Returns how many."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
+        if isinstance(child, nn.Linear) and packable(child.weight.dtype):
             setattr(module, name, PackedLinear(child))
             count += 1
         else:

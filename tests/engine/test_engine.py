@@ -5,6 +5,7 @@ import torch
 
 import tests.tiny
 from app.engine.request import SamplingParams
+from app.model.packed_linear import PackedLinear, packable
 from tests.engine.util import all_free, run
 from tests.tiny import tiny_engine
 
@@ -232,6 +233,8 @@ def test_half_precision_weights_and_cache(tokenizer, dtype):
     ps = prompts(3)
     engine = tiny_engine(tokenizer, dtype=dtype)
     assert engine.kv_cache.tensor.dtype == getattr(torch, dtype)
+    if packable(getattr(torch, dtype)):  # bf16 on CPUs with bf16 kernels: prepacked too
+        assert isinstance(engine.model.layers[0].qkv, PackedLinear)
     got = generate(engine, ps, GREEDY)
     full = generate(tiny_engine(tokenizer), ps, GREEDY)
     assert all(r.finish_reason == "length" for r in got)

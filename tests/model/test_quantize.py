@@ -27,9 +27,9 @@ def forward_all(model, ids):
     """Logits at every position of one causal pass (a scratch cache of its own)."""
     n, arch, block = len(ids), model.arch, 16
     blocks = -(-n // block) + 1
+    shape, dtype = (blocks, block, arch.num_kv_heads, arch.head_dim), model.norm.weight.dtype
     caches = [
-        tuple(torch.zeros(blocks, block, arch.num_kv_heads, arch.head_dim) for _ in range(2))
-        for _ in range(arch.num_layers)
+        tuple(torch.zeros(shape, dtype=dtype) for _ in range(2)) for _ in range(arch.num_layers)
     ]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n) + block, prefills=[PrefillChunk(0, n, n, None, None)]
