@@ -286,19 +286,14 @@ def main() -> None:
     results["ttft_1500"] = ttft
     print("ttft_1500", json.dumps(ttft), flush=True)
 
-    table = {}
-    for n in (1, 4, 8, 16, 32, 64):
-        r = parley_batch(engine, short_prompts(tok, n), max_tokens)
-        table[n] = round(r["tok_s"], 1)
-        print(f"concurrency {n}: {r['tok_s']:.1f} tok/s", flush=True)
-    results["concurrency_tok_s"] = table
-    if int8 is not None:
+    engines = {"": engine} if int8 is None else {"": engine, "int8": int8}
+    for label, e in engines.items():
         table = {}
         for n in (1, 4, 8, 16, 32, 64):
-            r = parley_batch(int8, short_prompts(tok, n), max_tokens)
+            r = parley_batch(e, short_prompts(tok, n), max_tokens)
             table[n] = round(r["tok_s"], 1)
-            print(f"concurrency {n}, int8: {r['tok_s']:.1f} tok/s", flush=True)
-        results["concurrency_int8_tok_s"] = table
+            print(f"concurrency {n}{label and ', ' + label}: {r['tok_s']:.1f} tok/s", flush=True)
+        results[f"concurrency_{label and label + '_'}tok_s"] = table
 
     itl = parley_itl_under_long_prefill(engine, short_prompts(tok, 8), long_prompt(tok, 2000, "l"))
     results["itl_under_long_prefill"] = itl

@@ -107,12 +107,13 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self._resolve_max_model_len(loaded)
         dtype = getattr(torch, config.model.dtype)
-        self.model_bytes = sum(w.numel() * w.element_size() for w in loaded.weights.values())
         self.model, self.weight_format = build_model(
             loaded, config.model, config.device, self.max_model_len
         )
         if config.model.quantization == "int8":
             self.model_bytes = int8_weight_bytes(self.model)
+        else:  # the loaded weights, in the dtype they run in
+            self.model_bytes = sum(w.numel() for w in loaded.weights.values()) * dtype.itemsize
         if model is None:
             # Ours alone: drop the memory-mapped weights before the KV cache takes memory.
             loaded.weights = {}

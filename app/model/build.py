@@ -8,18 +8,15 @@ touches the fp32 file.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from app.config import ModelConfig
 from app.model.llama import LlamaModel
-from app.model.loader import LoadedModel
+from app.model.loader import LoadedModel, read_tensors, write_cache_dir
 from app.model.quantize import (
     QUANT_FORMAT,
     int8_available,
@@ -61,8 +58,7 @@ def _int8_model(loaded: LoadedModel, cache_dir: Path, max_positions: int) -> Lla
     if loaded.cache_key is not None:
         target = cache_dir / "converted" / f"{loaded.cache_key}-{QUANT_FORMAT}"
         if (target / "model.safetensors").exists():
-            with safe_open(str(target / "model.safetensors"), framework="pt") as f:
-                state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            state = read_tensors(target / "model.safetensors")
             return model_from_quantized(loaded.arch, state, max_positions)
     started = time.monotonic()
     # The fp32 tensors may be memory-mapped from the cache: work on copies.
@@ -72,18 +68,6 @@ def _int8_model(loaded: LoadedModel, cache_dir: Path, max_positions: int) -> Lla
     )
     log.info("quantized %s to int8 in %.1f s", loaded.name, time.monotonic() - started)
     if target is not None:
-        _save(quantized_state_dict(model), target)
+        state = {k: v.contiguous() for k, v in quantized_state_dict(model).items()}
+        write_cache_dir(target, lambda tmp: save_file(state, str(tmp / "model.safetensors")))
     return model
-
-
-def _save(state: dict[str, torch.Tensor], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

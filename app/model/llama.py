@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.model.arch import ArchConfig
-from app.model.attention import AttentionMetadata, paged_attention
+from app.model.attention import AttentionMetadata, PrefillChunk, paged_attention
 from app.model.packed_linear import pack_linears, pack_weight, packable, packing_available
 
 
@@ -165,6 +165,24 @@ class LlamaModel(nn.Module):
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h)
         return F.linear(h, self.lm_head_weight).float()  # the sampler works in fp32
+
+    def forward_tokens(self, ids: list[int], logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """One causal pass over `ids` outside the engine, with a scratch K/V cache of its
+        own: logits at the positions `logits_at` (default: every position). For
+        calibration and measurements such as perplexity."""
+        n, arch, block = len(ids), self.arch, 16
+        shape = (-(-n // block) + 1, block, arch.num_kv_heads, arch.head_dim)
+        dtype = self.norm.weight.dtype
+        caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(arch.num_layers)
+        ]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n) + block, prefills=[PrefillChunk(0, n, n, None, None)]
+        )
+        positions = torch.arange(n)
+        logits_at = positions if logits_at is None else logits_at
+        return self(torch.tensor(ids), positions, caches, meta, logits_at)
 
     @classmethod
     def from_weights(

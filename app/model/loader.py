@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,10 +136,7 @@ def _load_gguf_cached(path: Path, cache_dir: Path) -> tuple[ArchConfig, dict, ob
     if not (target / "model.safetensors").exists():
         _convert_gguf(path, target)
     arch = ArchConfig.from_dict(json.loads((target / "arch.json").read_text()))
-    weights: dict[str, torch.Tensor] = {}
-    with safe_open(str(target / "model.safetensors"), framework="pt") as st:
-        for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-            weights[key] = st.get_tensor(key)
+    weights = read_tensors(target / "model.safetensors")
     tokenizer = AutoTokenizer.from_pretrained(str(target / "tokenizer"))
     return arch, weights, tokenizer
 
@@ -161,20 +159,36 @@ def _convert_gguf(path: Path, target: Path) -> None:
         hf[name] = tensor
     weights = fuse_weights(hf, arch)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+    def fill(tmp: Path) -> None:
+        save_file(weights, str(tmp / "model.safetensors"))
+        (tmp / "arch.json").write_text(json.dumps(arch.to_dict(), indent=1))
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+
+    write_cache_dir(target, fill)
+    log.info("converted %s in %.1f s into %s", path.name, time.monotonic() - started, target)
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file."""
+    with safe_open(str(file), framework="pt") as st:
+        return {key: st.get_tensor(key) for key in st.keys()}  # noqa: SIM118 - not a mapping
+
+
+def write_cache_dir(target: Path, fill: Callable[[Path], None]) -> None:
+    """Create the cache folder `target` atomically: `fill` writes into a temporary folder
+    beside it, which then takes its name (a crash leaves no half-written cache)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     tmp.chmod(0o755)
     try:
-        save_file(weights, str(tmp / "model.safetensors"))
-        (tmp / "arch.json").write_text(json.dumps(arch.to_dict(), indent=1))
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        fill(tmp)
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("converted %s in %.1f s into %s", path.name, time.monotonic() - started, target)
 
 
 def _eos_token_ids(tokenizer: PreTrainedTokenizerBase, path: Path) -> frozenset[int]:

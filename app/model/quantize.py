@@ -117,9 +117,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.inference_mode()
 def calibrate(model: LlamaModel, token_ids: list[int]) -> dict[tuple[int, str], torch.Tensor]:
     """Largest |activation| per input channel of each smoothed linear, over one pass of the
-    calibration tokens (a plain causal forward: no cache needed)."""
-    from app.model.attention import AttentionMetadata, PrefillChunk
-
+    calibration tokens."""
     stats: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.layers):
@@ -131,21 +129,7 @@ def calibrate(model: LlamaModel, token_ids: list[int]) -> dict[tuple[int, str], 
 
             hooks.append(getattr(layer, name).register_forward_pre_hook(record))
     try:
-        n = len(token_ids)
-        arch = model.arch
-        block = 16
-        blocks = -(-n // block) + 1
-        caches = [
-            (
-                torch.zeros(blocks, block, arch.num_kv_heads, arch.head_dim),
-                torch.zeros(blocks, block, arch.num_kv_heads, arch.head_dim),
-            )
-            for _ in range(arch.num_layers)
-        ]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n) + block, prefills=[PrefillChunk(0, n, n, None, None)]
-        )
-        model(torch.tensor(token_ids), torch.arange(n), caches, meta, torch.tensor([n - 1]))
+        model.forward_tokens(token_ids, torch.tensor([len(token_ids) - 1]))
     finally:
         for h in hooks:
             h.remove()

@@ -5,10 +5,8 @@ refused."""
 import http.server
 import threading
 
-import pytest
-
 from app.server.app import ServerConfig, create_app
-from tests.e2e.live_server import CHROMIUM, CHROMIUM_ARGS, chromium_or_skip, live_server
+from tests.e2e.live_server import live_server
 from tests.server.fake_engine import FakeEngine
 
 PROBE = """<!doctype html><title>probe</title><script>
@@ -16,15 +14,6 @@ const ws = new WebSocket("%s");
 ws.onopen = () => { document.title = "open"; };
 ws.onerror = () => { document.title = "refused"; };
 </script>"""
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = chromium_or_skip()
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def serve_html(html: str):

@@ -5,21 +5,12 @@ import re
 import pytest
 
 from app.server.app import create_app
-from tests.e2e.live_server import CHROMIUM, CHROMIUM_ARGS, chromium_or_skip, live_server
+from tests.e2e.live_server import live_server
 from tests.server.fake_engine import FakeEngine
 
 REPLY = (
     "Here is **bold** and `code`.\n\n```python\nprint('hi')\n```\n\n<img src=x onerror=alert(1)>"
 )
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = chromium_or_skip()
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 @pytest.fixture

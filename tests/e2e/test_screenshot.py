@@ -10,16 +10,14 @@ from app.config import CacheConfig, EngineConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import LLMEngine
 from app.server.app import create_app
-from tests.e2e.live_server import CHROMIUM, CHROMIUM_ARGS, chromium_or_skip, live_server
+from tests.e2e.live_server import live_server
 
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "screenshot.png"
 
 
-def test_real_model_chat_reuses_kv_and_screenshot(smollm):
-    sync_api = chromium_or_skip()
+def test_real_model_chat_reuses_kv_and_screenshot(smollm, browser):
     engine = AsyncEngine(LLMEngine(EngineConfig(cache=CacheConfig(128 << 20)), smollm))
-    with live_server(create_app(engine=engine)) as server, sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with live_server(create_app(engine=engine)) as server:
         page = browser.new_page(viewport={"width": 1100, "height": 760})
         page.goto(server.url)
         page.wait_for_selector("#connection[data-state=open]")
@@ -49,6 +47,6 @@ def test_real_model_chat_reuses_kv_and_screenshot(smollm):
         assert page.locator(".message.assistant .bubble").first.inner_text().strip()
         SCREENSHOT.parent.mkdir(exist_ok=True)
         page.screenshot(path=str(SCREENSHOT))
-        browser.close()
+        page.close()
     if not SCREENSHOT.exists():
         pytest.fail("no screenshot written")

@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from app.config import ModelConfig
 from app.model import build as build_mod
-from app.model.attention import AttentionMetadata, PrefillChunk
 from app.model.build import build_model
 from app.model.llama import LlamaModel
 from app.model.quantize import (
@@ -24,18 +23,8 @@ pytestmark = pytest.mark.skipif(not int8_available(), reason="PyTorch without fb
 
 
 def forward_all(model, ids):
-    """Logits at every position of one causal pass (a scratch cache of its own)."""
-    n, arch, block = len(ids), model.arch, 16
-    blocks = -(-n // block) + 1
-    shape, dtype = (blocks, block, arch.num_kv_heads, arch.head_dim), model.norm.weight.dtype
-    caches = [
-        tuple(torch.zeros(shape, dtype=dtype) for _ in range(2)) for _ in range(arch.num_layers)
-    ]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n) + block, prefills=[PrefillChunk(0, n, n, None, None)]
-    )
     with torch.inference_mode():
-        return model(torch.tensor(ids), torch.arange(n), caches, meta, torch.arange(n))
+        return model.forward_tokens(ids)
 
 
 def test_int8_linear_is_close_to_fp32():
