@@ -56,6 +56,18 @@ FLAGS: list[tuple[str, dict]] = [
     ("--request-timeout", dict(type=float, default=600.0, help="seconds a request may run")),
     ("--api-key", dict(help="require this key on /v1 (Bearer) and for the page")),
     (
+        "--api-keys-file",
+        dict(help="several keys, one tenant each: lines of 'name key' (or 'name sha256:HEX')"),
+    ),
+    (
+        "--prefix-cache-isolation",
+        dict(
+            choices=("none", "tenant"),
+            default="none",
+            help="tenant: tenants never share prefix-cache blocks (nor time each other's)",
+        ),
+    ),
+    (
         "--allowed-origins",
         dict(default="", help="comma-separated extra origins allowed to open /ws"),
     ),
@@ -70,7 +82,10 @@ FLAGS: list[tuple[str, dict]] = [
     ("--log-level", dict(default="info")),
     ("--prompt", dict(help="print the reply to this user message and exit (no server)")),
     ("--system", dict(help="a system prompt for --prompt")),
-    ("--max-tokens", dict(type=int, default=256, help="reply length for --prompt")),
+    (
+        "--max-tokens",
+        dict(type=int, default=None, help="reply length for --prompt (default: to the context)"),
+    ),
     ("--temperature", dict(type=float, default=0.0, help="for --prompt; 0 is greedy")),
 ]
 
@@ -109,25 +124,40 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def serve(args: argparse.Namespace) -> None:
-    import uvicorn
+def server_config(args: argparse.Namespace):
+    from pathlib import Path
 
-    from app.server.app import ServerConfig, create_app
-    from app.server.protocol import MAX_FRAME_BYTES
-    from app.server.turns import ChatConfig
+    from app.server.app import ServerConfig
+    from app.server.chat_service import ChatConfig
+    from app.server.security import parse_keys_file, persistent_secret
 
-    server = ServerConfig(
+    if args.api_key and args.api_keys_file:
+        raise SystemExit("parley: give --api-key or --api-keys-file, not both")
+    keys = parse_keys_file(Path(args.api_keys_file)) if args.api_keys_file else None
+    return ServerConfig(
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         chat=ChatConfig(
-            max_turns_per_socket=args.max_turns_per_socket, max_connections=args.max_connections
+            max_turns_per_socket=args.max_turns_per_socket,
+            max_connections=args.max_connections,
+            isolate_prefix_cache=args.prefix_cache_isolation == "tenant",
         ),
         otlp_endpoint=args.otlp_endpoint,
         api_key=args.api_key or None,
+        api_keys=keys,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        secret=persistent_secret(ModelConfig().cache_dir),
     )
-    app = create_app(engine_config(args), server)
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from app.server.app import create_app
+    from app.server.protocol import MAX_FRAME_BYTES
+
+    app = create_app(engine_config(args), server_config(args))
     print(f"Parley: open http://{args.host}:{args.port}/ in a browser", file=sys.stderr)
     uvicorn.run(
         app,
@@ -141,17 +171,16 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def generate_once(args: argparse.Namespace) -> None:
-    from app.engine.engine import LLMEngine
+    from app.chat.prompt import Message
     from app.engine.request import SamplingParams
+    from app.llm import LLM
 
-    engine = LLMEngine(engine_config(args))
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": args.prompt})
-    ids = engine.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_dict=False
-    )
+    llm = LLM(config=engine_config(args))
+    messages = [Message("system", args.system)] if args.system else []
+    messages.append(Message("user", args.prompt))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    engine.add_request("cli", list(ids), params)
+    engine = llm.engine
+    engine.add_request("cli", llm.chat_prompt(messages), params)
     out = None
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -134,7 +134,7 @@ async def converse(url: str, user: int, number: int, args, rec: Recorder, cache:
     conversation = f"load-{args.seed}-{'c' if cache else 'n'}-{user}-{number}"
     messages: list[dict[str, str]] = []
     rng = random.Random(f"think/{args.seed}/{user}/{number}")
-    async with websockets.connect(url, max_size=None) as ws:
+    async with websockets.connect(url, max_size=None, additional_headers=args.headers) as ws:
         for index in range(1, args.turns + 1):
             text = user_message(args.seed, user, number, index, args.paste_probability)
             messages.append({"role": "user", "content": text})
@@ -366,7 +366,9 @@ async def soak(args) -> dict:
 
     async def soak_conversation(conversation: str, rng: random.Random) -> None:
         messages: list[dict[str, str]] = []
-        async with websockets.connect(args.url, max_size=None) as ws:
+        async with websockets.connect(
+            args.url, max_size=None, additional_headers=args.headers
+        ) as ws:
             for index in range(1, rng.randint(1, args.turns) + 1):
                 messages.append(
                     {
@@ -429,7 +431,7 @@ async def soak(args) -> dict:
         reporter.cancel()
         print(rec.progress(), file=sys.stderr)
     # Forget every conversation, then the server must hold nothing.
-    async with websockets.connect(args.url) as ws:
+    async with websockets.connect(args.url, additional_headers=args.headers) as ws:
         for conversation in created:
             await ws.send(json.dumps({"type": "delete", "conversation_id": conversation}))
             await asyncio.wait_for(ws.recv(), 10)
@@ -467,6 +469,24 @@ async def soak(args) -> dict:
     return result
 
 
+def client_headers(url: str, api_key: str | None) -> dict[str, str]:
+    """What every connection of this run sends: the API key, or else the client cookie
+    that the page hands a browser. A conversation belongs to the client that started it,
+    so the whole run acts as one client (one browser with many tabs)."""
+    import httpx
+
+    if api_key:
+        return {"Authorization": f"Bearer {api_key}"}
+    http = url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/ws", 1)[0]
+    page = httpx.get(http + "/", timeout=30)
+    return {"Cookie": "; ".join(f"{k}={v}" for k, v in page.cookies.items())}
+
+
+def public(args) -> dict:
+    """The run's settings, for the results file: no credentials."""
+    return {k: v for k, v in vars(args).items() if k not in ("headers", "api_key")}
+
+
 def httpx_client():
     import httpx
 
@@ -496,6 +516,7 @@ async def report_progress(rec: Recorder) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="ws://127.0.0.1:8000/ws")
+    ap.add_argument("--api-key", default=None, help="the server's API key, if it wants one")
     ap.add_argument("--users", type=int, default=8, help="closed loop: simultaneous users")
     ap.add_argument("--rate", type=float, default=0.0, help="open loop: conversations/s")
     ap.add_argument("--turns", type=int, default=6)
@@ -514,6 +535,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/ws_load.json")
     ap.add_argument("--plot", nargs="?", const="bench/results/ws_load.png", default=None)
     args = ap.parse_args()
+    args.headers = client_headers(args.url, args.api_key)
 
     if args.soak:
         if not args.duration:
@@ -529,13 +551,13 @@ def main() -> None:
               f"{s['rss_mib'][-1][1]:.0f} MiB ({s['rss_growth']:+.1%})")  # fmt: skip
         print("   PASSED" if s["passed"] else "   FAILED")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"config": vars(args), "runs": {"soak": result}},
+        Path(args.out).write_text(json.dumps({"config": public(args), "runs": {"soak": result}},
                                              indent=1))  # fmt: skip
         sys.exit(0 if s["passed"] else 1)
 
     results = {"reuse": asyncio.run(run(args, cache=True))}
     report("with reuse", results["reuse"])
-    summary: dict = {"config": vars(args), "runs": results}
+    summary: dict = {"config": public(args), "runs": results}
     if args.compare_no_reuse:
         results["no_reuse"] = asyncio.run(run(args, cache=False))
         report("without reuse", results["no_reuse"])

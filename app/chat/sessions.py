@@ -1,10 +1,12 @@
 """Conversations the server knows: their history and the token ids of their replies.
 
-A conversation id is the engine's session id, so a conversation's K/V stays pinned between
-its turns (see app.engine.session_pins). The client's history is the source of truth: a
-`chat` frame with `messages` replaces what we remember, and one with only `content`
-continues it. After a server restart, or for a client we never saw, the history is simply
-re-tokenized: the reply is right, only the reuse is smaller.
+A conversation lives in its tenant's namespace and belongs to the owner that started it
+(see app.server.security); its `key` is the engine's session id, so its K/V stays pinned
+between its turns (see app.engine.session_pins) and two tenants' conversations of the same
+id never share a pin. The client's history is the source of truth: a `chat` frame with
+`messages` replaces what we remember, and one with only `content` continues it. After a
+server restart, or for a client we never saw, the history is simply re-tokenized: the
+reply is right, only the reuse is smaller.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ class Conversation:
     """One conversation's server-side state."""
 
     id: str
+    tenant: str
+    owner: str
     messages: list[Message] = field(default_factory=list)
     replies: dict[str, list[int]] = field(default_factory=dict)
-    turn_id: str | None = None  # the request in flight, if any
+    turn: str | None = None  # the token of the turn in flight, if any (unique per turn)
     last_active: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> str:
+        """Unique across tenants: the engine's session id for this conversation."""
+        return conversation_key(self.tenant, self.id)
 
     def remember_reply(self, text: str, token_ids: list[int]) -> None:
         """Keep `token_ids` as the tokens of reply `text` for splicing into later prompts."""
@@ -39,35 +48,43 @@ class Conversation:
             del self.replies[next(iter(self.replies))]
 
 
+def conversation_key(tenant: str, conversation_id: str) -> str:
+    return f"{tenant}\x1f{conversation_id}" if tenant else conversation_id
+
+
 class ConversationStore:
-    """Conversations by id, least recently active first, at most `max_conversations`.
-    Dropping one (delete, or the oldest when full) calls `on_drop(id)` so that the
+    """Conversations by key, least recently active first, at most `max_conversations`.
+    Dropping one (delete, or the oldest when full) calls `on_drop(key)` so that the
     engine lets go of its pinned blocks."""
 
     def __init__(self, on_drop: Callable[[str], None], max_conversations: int = 10_000):
-        self._by_id: OrderedDict[str, Conversation] = OrderedDict()
+        self._by_key: OrderedDict[str, Conversation] = OrderedDict()
         self._on_drop = on_drop
         self.max_conversations = max_conversations
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self._by_key)
 
-    def __contains__(self, conversation_id: str) -> bool:
-        return conversation_id in self._by_id
+    def find(self, tenant: str, conversation_id: str) -> Conversation | None:
+        return self._by_key.get(conversation_key(tenant, conversation_id))
 
-    def get(self, conversation_id: str) -> Conversation:
-        """The conversation, created if new, marked as just active."""
-        conv = self._by_id.pop(conversation_id, None) or Conversation(conversation_id)
+    def get(self, tenant: str, conversation_id: str, owner: str) -> Conversation:
+        """The conversation, created for `owner` if new, marked as just active. The
+        caller checks that `owner` may use it (an existing one may have another)."""
+        key = conversation_key(tenant, conversation_id)
+        conv = self._by_key.pop(key, None) or Conversation(conversation_id, tenant, owner)
         conv.last_active = time.monotonic()
-        self._by_id[conversation_id] = conv
-        while len(self._by_id) > self.max_conversations:
-            idle = next((cid for cid, c in self._by_id.items() if c.turn_id is None), None)
+        self._by_key[key] = conv
+        while len(self._by_key) > self.max_conversations:
+            idle = next((k for k, c in self._by_key.items() if c.turn is None), None)
             if idle is None:
                 break  # every one of them is mid-turn: let the store run over for now
-            self.delete(idle)
+            self._drop(idle)
         return conv
 
-    def delete(self, conversation_id: str) -> bool:
-        conv = self._by_id.pop(conversation_id, None)
-        self._on_drop(conversation_id)
-        return conv is not None
+    def delete(self, conv: Conversation) -> None:
+        self._drop(conv.key)
+
+    def _drop(self, key: str) -> None:
+        self._by_key.pop(key, None)
+        self._on_drop(key)

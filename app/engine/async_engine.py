@@ -20,22 +20,18 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from app.engine.engine import EngineStats, LLMEngine, RequestOutput
+from app.engine.engine import LLMEngine
+from app.engine.errors import BadParameter, EngineDead, Overloaded
+from app.engine.outputs import EngineListener, EngineStats, ModelInfo, RequestOutput
 from app.engine.request import FinishReason, Request, SamplingParams
 
 log = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """More requests are in flight than the engine will queue: retry later."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+# Prompts this large are validated and tokenized on a worker thread: a 1 MiB paste takes
+# the tokenizer a good part of a second, which must not stall every other stream on the
+# event loop. Smaller ones are quicker to do inline than to hand over.
+INLINE_PROMPT_CHARS = 8192
+INLINE_PROMPT_IDS = 32768
 
 
 @dataclass
@@ -65,6 +61,7 @@ class AsyncEngine:
         self._stats = engine.stats()  # a snapshot the engine thread refreshes
         self._malloc_trim = None
         self._next_trim = 0.0
+        self._info = engine.info
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -83,23 +80,10 @@ class AsyncEngine:
             self._thread = None
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def info(self) -> ModelInfo:
+        return self._info
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.engine.eos_token_ids
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def is_running(self) -> bool:
+    def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     # -- requests ------------------------------------------------------------------------
@@ -111,32 +95,37 @@ class AsyncEngine:
         request_id: str | None = None,
         session_id: str | None = None,
         use_prefix_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Leaving the loop early (break,
         cancellation, an exception in the consumer) aborts the request.
 
-        Raises ValueError for invalid input (before anything is queued),
-        EngineOverloadedError when the queue is full and EngineDeadError when the loop
-        is not running.
+        Raises BadParameter / ContextTooLong for invalid input (before anything is
+        queued), Overloaded when the queue is full and EngineDead when the loop is not
+        running.
         """
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
+        if not self.healthy():
+            raise EngineDead("the engine is not running")
         if self.num_in_flight >= self.capacity:
-            raise EngineOverloadedError(
+            raise Overloaded(
                 f"the server is busy: {self.num_in_flight} requests in flight "
                 f"(at most {self.capacity}); retry shortly"
             )
-        req = self.engine.make_request(prompt, params, request_id, session_id, use_prefix_cache)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._streams_lock:
-            if req.request_id in self._streams:
-                raise ValueError(f"request id {req.request_id!r} is already in use")
-            self._streams[req.request_id] = stream
-        self._inbox.put(("add", req))
-        self._wake.set()
+        self.num_in_flight += 1  # from here on: a slot is held, even while tokenizing
         finished = False
-        self.num_in_flight += 1
+        stream: _Stream | None = None
         try:
+            req = await self._make_request(
+                prompt, params, request_id, session_id, use_prefix_cache, cache_salt
+            )
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            with self._streams_lock:
+                if req.request_id in self._streams:
+                    stream = None
+                    raise BadParameter(f"request id {req.request_id!r} is already in use", "id")
+                self._streams[req.request_id] = stream
+            self._inbox.put(("add", req))
+            self._wake.set()
             while not finished:
                 item = await stream.queue.get()
                 while not isinstance(item, BaseException) and not stream.queue.empty():
@@ -151,17 +140,35 @@ class AsyncEngine:
                 yield item
         finally:
             self.num_in_flight -= 1
-            with self._streams_lock:
-                self._streams.pop(req.request_id, None)
-            if not finished:
-                self.abort(req.request_id)
+            if stream is not None:
+                with self._streams_lock:
+                    self._streams.pop(req.request_id, None)
+                if not finished:
+                    self.abort(req.request_id)
+
+    async def _make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None,
+        session_id: str | None,
+        use_prefix_cache: bool,
+        cache_salt: str | None,
+    ) -> Request:
+        args = (prompt, params, request_id, session_id, use_prefix_cache, cache_salt)
+        large = len(prompt) > (
+            INLINE_PROMPT_CHARS if isinstance(prompt, str) else INLINE_PROMPT_IDS
+        )
+        if large:
+            return await asyncio.to_thread(self.engine.make_request, *args)
+        return self.engine.make_request(*args)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the next step. Thread-safe."""
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
-    def add_listener(self, listener) -> None:
+    def add_listener(self, listener: EngineListener) -> None:
         """Tell `listener` (an EngineListener) about tokens and finished requests. Call
         before start(): the list is read on the engine's thread."""
         self.engine.listeners.append(listener)
@@ -201,7 +208,7 @@ class AsyncEngine:
         except BaseException as exc:  # the loop itself is broken: report, do not hide
             log.exception("engine loop died")
             self.error = exc
-            self._fail_streams(EngineDeadError(f"engine loop died: {exc!r}"))
+            self._fail_streams(EngineDead(f"engine loop died: {exc!r}"))
         finally:
             try:
                 self._drain_inbox()  # releases and aborts sent before stop() still apply
@@ -209,7 +216,7 @@ class AsyncEngine:
                     self.engine.abort(request_id)
             except Exception:
                 log.exception("cleaning up after the engine loop failed")
-            self._fail_streams(EngineDeadError("the engine stopped"))
+            self._fail_streams(EngineDead("the engine stopped"))
 
     def _trim_heap(self) -> None:
         """When idle, hand freed heap memory back to the OS (glibc keeps it otherwise:
@@ -237,7 +244,7 @@ class AsyncEngine:
                 assert isinstance(payload, Request)
                 try:
                     self.engine.add(payload)
-                except ValueError as exc:
+                except BadParameter as exc:
                     self._deliver_error(payload.request_id, exc)
             elif kind == "abort":
                 self.engine.abort(str(payload))

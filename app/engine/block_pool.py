@@ -109,12 +109,6 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every hash (e.g. new weights): cached content is no longer valid."""
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
-
     def check_integrity(self, holders: Counter[int] | None = None) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent.
 

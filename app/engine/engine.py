@@ -13,84 +13,31 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from app.config import EngineConfig
 from app.engine.block_pool import BlockPool
 from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.errors import BadParameter, ContextTooLong
 from app.engine.kv_cache import KVCache
 from app.engine.kv_manager import KVCacheManager
 from app.engine.model_runner import ModelRunner
-from app.engine.request import FinishReason, Request, SamplingParams, Timings
+from app.engine.outputs import (
+    EngineListener,
+    EngineStats,
+    FinishedRequestStats,
+    ModelInfo,
+    RequestOutput,
+)
+from app.engine.request import FinishReason, Request, SamplingParams
 from app.engine.sampler import Sampler
-from app.engine.scheduler import Scheduler, SchedulerOutput
+from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from app.model.build import build_model
 from app.model.loader import LoadedModel, load_model
 from app.model.quantize import int8_weight_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request. Text and token ids are deltas."""
-
-    request_id: str
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    timings: Timings
-
-    def merge(self, later: RequestOutput) -> RequestOutput:
-        """Fold a later output of the same request into this one (a slow reader gets
-        one bigger delta instead of a backlog)."""
-        return RequestOutput(
-            request_id=self.request_id,
-            new_text=self.new_text + later.new_text,
-            new_token_ids=self.new_token_ids + later.new_token_ids,
-            finished=later.finished,
-            finish_reason=later.finish_reason,
-            prompt_tokens=later.prompt_tokens,
-            cached_tokens=later.cached_tokens,
-            completion_tokens=later.completion_tokens,
-            timings=later.timings,
-        )
-
-
-class EngineListener(Protocol):
-    """Told, on the engine's thread, about tokens and finished requests (metrics)."""
-
-    def on_tokens(self, request: Request, num_tokens: int, gap_s: float | None) -> None:
-        """`num_tokens` new output tokens; `gap_s` since the previous ones, if any."""
-
-    def on_finished(self, request: Request) -> None:
-        """The request ended (any reason); its counters and timings are final."""
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for metrics, logs and benchmarks."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of blocks held
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_queries: int
-    prefix_hits: int
-    pin_hits: int
-    sessions_pinned: int
-    pinned_blocks: int
-    session_unpins: dict[str, int]
-    steps: int
 
 
 class LLMEngine:
@@ -159,31 +106,41 @@ class LLMEngine:
         request_id: str | None = None,
         session_id: str | None = None,
         use_prefix_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize; touches no engine state, so any thread may call it.
-        Raises ValueError with a message fit for the user. A `session_id` keeps the
+        Raises BadParameter (ContextTooLong for a prompt that does not fit) with a
+        message fit for the user. A `session_id` keeps the
         request's K/V pinned for that session's next turn (see session_pins);
-        `use_prefix_cache=False` computes every prompt token (for comparisons)."""
+        `use_prefix_cache=False` computes every prompt token (for comparisons); requests
+        with different `cache_salt`s never share prefix-cache blocks."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             token_ids = list(prompt)
             vocab = self.arch.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            if any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                for t in token_ids
+            ):
+                raise BadParameter(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         if not token_ids:
-            raise ValueError("the prompt is empty")
+            raise BadParameter("the prompt is empty", "prompt")
         n = len(token_ids)
         if n >= self.max_model_len:
-            raise ValueError(
+            raise ContextTooLong(
                 f"the prompt is {n} tokens long; this model's context limit is "
-                f"{self.max_model_len} tokens, including at least one generated token"
+                f"{self.max_model_len} tokens, including at least one generated token",
+                n,
+                self.max_model_len,
             )
         capacity = self.kv.pool.num_blocks * self.kv.block_size
         if n >= capacity:
-            raise ValueError(
-                f"the prompt is {n} tokens long; the KV cache holds only {capacity} tokens"
+            raise ContextTooLong(
+                f"the prompt is {n} tokens long; the KV cache holds only {capacity} tokens",
+                n,
+                capacity,
             )
         # One request never outgrows the context or the whole cache: that would preempt
         # itself forever. It stops with finish_reason "length" instead.
@@ -197,6 +154,7 @@ class LLMEngine:
             self.eos_token_ids,
             session_id,
             use_prefix_cache,
+            cache_salt,
         )
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens
@@ -205,7 +163,7 @@ class LLMEngine:
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise BadParameter(f"request id {request.request_id!r} is already in use", "id")
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -218,7 +176,7 @@ class LLMEngine:
     ) -> Request:
         """Queue a generation. Returns the request (its id is generated when None)."""
         if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise BadParameter(f"request id {request_id!r} is already in use", "id")
         req = self.make_request(prompt, params, request_id, session_id)
         self.add(req)
         return req
@@ -232,17 +190,12 @@ class LLMEngine:
             return False
         self.scheduler.finish(req, reason)
         self._aborted.append(self._output(req, "", []))
-        for listener in self.listeners:
-            listener.on_finished(req)
+        self._tell_finished(req)
         return True
 
     def release_session(self, session_id: str) -> bool:
         """Free a session's pinned blocks now (a deleted conversation)."""
         return self.kv.pins.release(session_id, "released")
-
-    def expire_sessions(self, ttl_s: float) -> int:
-        """Unpin sessions idle for longer than `ttl_s`."""
-        return self.kv.pins.expire(ttl_s)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
@@ -270,7 +223,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             try:
-                sampled = self.runner.run(sched)
+                sampled = self.runner.run(sched).sampled
             except Exception:
                 log.exception("a batch of %d requests failed; retrying them one by one",
                               len(sched.scheduled))  # fmt: skip
@@ -289,13 +242,15 @@ class LLMEngine:
         sampled: dict[str, int] = {}
         for s in sched.scheduled:
             try:
-                sampled.update(self.runner.run(SchedulerOutput([s])))
+                sampled.update(self.runner.run(SchedulerOutput([s])).sampled)
             except Exception:
                 log.exception("request %s failed", s.request.request_id)
                 self.abort(s.request.request_id, FinishReason.ERROR)
         return sampled
 
-    def _process(self, scheduled: list, sampled: dict[str, int]) -> list[RequestOutput]:
+    def _process(
+        self, scheduled: list[ScheduledRequest], sampled: dict[str, int]
+    ) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for s in scheduled:
@@ -318,7 +273,7 @@ class LLMEngine:
             req.timings.first_token = now
         req.timings.last_token = now
         for listener in self.listeners:
-            listener.on_tokens(req, 1, gap)
+            listener.on_tokens(req.request_id, 1, gap)
         detok = req.detokenizer
         assert detok is not None
         reason = None
@@ -338,9 +293,14 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(req, reason)
             del self.requests[req.request_id]
-            for listener in self.listeners:
-                listener.on_finished(req)
+            self._tell_finished(req)
         return self._output(req, text, [token])
+
+    def _tell_finished(self, req: Request) -> None:
+        if self.listeners:
+            stats = FinishedRequestStats.of(req)
+            for listener in self.listeners:
+                listener.on_finished(stats)
 
     def _output(self, req: Request, text: str, token_ids: list[int]) -> RequestOutput:
         cut_short = req.finish_reason in (
@@ -363,6 +323,10 @@ class LLMEngine:
         )
 
     # -- introspection -------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.model_name, self.max_model_len, self.eos_token_ids, self.tokenizer)
 
     def stats(self) -> EngineStats:
         pool, s = self.kv.pool, self.scheduler.stats

@@ -55,9 +55,5 @@ class KVCache:
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
 
     @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()

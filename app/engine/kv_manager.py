@@ -28,6 +28,14 @@ def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+def salt_root(salt: str | None) -> bytes | None:
+    """The parent of a request's first block: a salt (vLLM's cache_salt) starts a chain
+    of hashes that no request with another salt can produce."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"parley-salt").digest()
+
+
 @dataclass
 class ComputedPrefix:
     """What a new request can skip: `num_tokens` tokens whose K/V are in `blocks`."""
@@ -59,7 +67,7 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt)
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed(self, request: Request) -> ComputedPrefix:

@@ -19,6 +19,13 @@ from app.model.attention import AttentionMetadata, PrefillChunk
 from app.model.llama import LlamaModel
 
 
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one forward pass produced: the next token of each request that sampled."""
+
+    sampled: dict[str, int]  # request id -> token id
+
+
 @dataclass
 class ModelInput:
     """The tensors of one forward pass."""
@@ -41,16 +48,17 @@ class ModelRunner:
         self.device = kv_cache.tensor.device
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> dict[str, int]:
-        """Returns the sampled token of each request that samples, by request id."""
+    def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward the step's tokens; sample for the requests that reach their end."""
         inp = self.prepare(out)
         logits = self.model(
             inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta, inp.logits_indices
         )
         if not inp.sampling_requests:
-            return {}
+            return ModelRunnerOutput({})
         tokens = self.sampler(logits.float(), inp.sampling_requests).tolist()
-        return {r.request_id: t for r, t in zip(inp.sampling_requests, tokens, strict=True)}
+        ids = (r.request_id for r in inp.sampling_requests)
+        return ModelRunnerOutput(dict(zip(ids, tokens, strict=True)))
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -60,8 +68,8 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling: list[Request] = []
 
-        decodes = [s for s in out.scheduled if s.num_tokens == 1 and s.start > 0]
-        prefills = [s for s in out.scheduled if not (s.num_tokens == 1 and s.start > 0)]
+        decodes = [s for s in out.scheduled if s.is_decode]
+        prefills = [s for s in out.scheduled if not s.is_decode]
         for s in decodes:
             pos = s.start
             ids.append(s.request.all_token_ids[pos])

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from app.engine.errors import BadParameter
+
 if TYPE_CHECKING:
     from app.engine.detokenizer import IncrementalDetokenizer
 
@@ -25,8 +27,8 @@ MAX_STOP_STRING_LEN = 256
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. Invalid values raise ValueError with a message
-    fit to show the user.
+    """How to pick tokens and when to stop. Invalid values raise BadParameter (a
+    ValueError) naming the parameter, with a message fit to show the user.
 
     temperature == 0 is greedy. top_k == 0, top_p == 1 and min_p == 0 switch those filters
     off. repetition_penalty (> 1 discourages) acts on prompt and output tokens, as in
@@ -35,7 +37,7 @@ class SamplingParams:
     logit -= presence * (count > 0) + frequency * count.
     """
 
-    max_tokens: int | None = 256  # None: up to the context length
+    max_tokens: int | None = None  # None: up to the context window (the one default)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -60,44 +62,62 @@ class SamplingParams:
     def _validate(self) -> None:
         def number(name: str, value: object) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise BadParameter(f"{name} must be a number, got {value!r}", name)
             if value != value or value in (float("inf"), float("-inf")):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+                raise BadParameter(f"{name} must be finite, got {value!r}", name)
             return float(value)
 
         def integer(name: str, value: object) -> int:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+                raise BadParameter(f"{name} must be an integer, got {value!r}", name)
             return value
 
-        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if number("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < number("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if integer("top_k", self.top_k) < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 <= number("min_p", self.min_p) <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if number("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= number("frequency_penalty", self.frequency_penalty) <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.seed is not None and not 0 <= integer("seed", self.seed) < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise BadParameter(f"{name} {message}", name)
+
+        if self.max_tokens is not None:
+            n = integer("max_tokens", self.max_tokens)
+            check(n >= 1, "max_tokens", f"must be at least 1, got {n}")
+        t = number("temperature", self.temperature)
+        check(t >= 0, "temperature", f"must be >= 0, got {t}")
+        check(0 < number("top_p", self.top_p) <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        k = integer("top_k", self.top_k)
+        check(k >= 0, "top_k", f"must be >= 0 (0 disables it), got {k}")
+        check(
+            0 <= number("min_p", self.min_p) <= 1, "min_p", f"must be in [0, 1], got {self.min_p}"
+        )
+        r = number("repetition_penalty", self.repetition_penalty)
+        check(r > 0, "repetition_penalty", f"must be > 0, got {r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = number(name, getattr(self, name))
+            check(-2 <= v <= 2, name, f"must be in [-2, 2], got {v}")
+        if self.seed is not None:
+            check(
+                0 <= integer("seed", self.seed) < 2**63,
+                "seed",
+                f"must be in [0, 2**63), got {self.seed}",
+            )
+        check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+        )
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-            if len(s) > MAX_STOP_STRING_LEN:
-                raise ValueError(f"a stop string is limited to {MAX_STOP_STRING_LEN} characters")
-        for t in self.stop_token_ids:
-            if integer("stop_token_ids[]", t) < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+            check(
+                isinstance(s, str) and bool(s),
+                "stop",
+                f"strings must be non-empty strings, got {s!r}",
+            )
+            check(
+                len(s) <= MAX_STOP_STRING_LEN,
+                "stop",
+                f"strings are limited to {MAX_STOP_STRING_LEN} characters",
+            )
+        for t_id in self.stop_token_ids:
+            check(
+                integer("stop_token_ids", t_id) >= 0, "stop_token_ids", f"must be >= 0, got {t_id}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -157,10 +177,12 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         session_id: str | None = None,
         use_prefix_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.session_id = session_id  # a conversation whose K/V stays pinned between turns
         self.use_prefix_cache = use_prefix_cache  # False: compute every prompt token
+        self.cache_salt = cache_salt  # prefix-cache entries are shared only within a salt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)

@@ -34,35 +34,32 @@ from app.engine.request import FinishReason, Request, RequestStatus
 CONTEXT_COST_TOKENS = 1024
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledRequest:
-    """A request and the tokens it computes this step."""
+    """A request and the tokens it computes this step: counts taken when the step was
+    scheduled, so they stay true after update() has moved the request on."""
 
     request: Request
+    start: int  # position of the first token computed this step
     num_tokens: int
+    samples: bool  # the step reaches the request's last known token: it samples
     block_ids: list[int]
 
     @property
-    def start(self) -> int:
-        """Position of the first token computed this step."""
-        return self.request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last known token (so it samples)."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def is_decode(self) -> bool:
+        """One token that samples, with K/V before it: attended through the block table
+        in the batched decode call. A one-token prefill chunk that does not reach the
+        end of the prompt is not a decode (it must not sample)."""
+        return self.num_tokens == 1 and self.samples and self.start > 0
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: decodes first, then prefill chunks."""
+    """One step's work: decodes first, then prefill chunks. Built by schedule(), read by
+    the runner and by update(); nobody changes it afterwards."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -89,10 +86,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: newest last
         self.stats = SchedulerStats()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -135,20 +128,21 @@ class Scheduler:
             self.waiting.popleft()
             if req.session_id is not None:
                 self.kv.pins.consume(req.session_id)
-            self.stats.prefix_queries += req.num_tokens
-            if computed.from_pin:
-                self.stats.pin_hits += num_hit
-            else:
-                self.stats.prefix_hits += num_hit
+            if req.num_cached_tokens < 0:
+                # First admission only: a preempted request's re-admission finds its own
+                # freed blocks, which is not a prefix-cache hit (and would count twice).
+                req.num_cached_tokens = num_hit
+                self.stats.prefix_queries += req.num_tokens
+                if computed.from_pin:
+                    self.stats.pin_hits += num_hit
+                else:
+                    self.stats.prefix_hits += num_hit
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:  # a resumed request keeps its first figure
-                req.num_cached_tokens = num_hit
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = time.monotonic()
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
-            scheduled.add(req.request_id)
+            self._emit(req, n, out, scheduled)
             prefill_budget -= n
         self.stats.steps += 1
         return out
@@ -184,9 +178,16 @@ class Scheduler:
             out.preempted.append(victim.request_id)
             if victim is req:
                 return False
-        out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
-        scheduled.add(req.request_id)
+        self._emit(req, n, out, scheduled)
         return True
+
+    def _emit(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[str]) -> None:
+        start = req.num_computed_tokens
+        block_ids = self.kv.block_ids(req.request_id)
+        out.scheduled.append(
+            ScheduledRequest(req, start, n, start + n == req.num_tokens, block_ids)
+        )
+        scheduled.add(req.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -202,7 +203,7 @@ class Scheduler:
         for s in out.scheduled:
             if s.request.is_finished:
                 continue  # failed during the step; its blocks are gone
-            s.request.num_computed_tokens += s.num_tokens
+            s.request.num_computed_tokens = s.start + s.num_tokens
             self.kv.cache_full_blocks(s.request)
 
     def finish(self, req: Request, reason: FinishReason) -> None:

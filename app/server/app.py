@@ -1,18 +1,22 @@
 """create_app(): the Starlette application. Its lifespan owns the engine: it loads the
-model, starts the engine loop, hands the chat service to handlers as state, and stops the
-loop on shutdown (no thread or task left behind)."""
+model, starts the engine loop, hands the chat service and the APIs to handlers as state,
+and stops the loop on shutdown (no thread or task left behind). Handlers are plain
+module-level functions that read `request.state`; who is asking is decided once, by
+Starlette's authentication middleware (app.server.security)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -20,17 +24,14 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from app.config import EngineConfig
+from app.engine.protocol import EngineClient
 from app.server import openai_api
+from app.server.chat_service import ChatConfig, ChatService
 from app.server.metrics import CONTENT_TYPE, Metrics
-from app.server.security import COOKIE, Access
-from app.server.turns import ChatConfig, ChatService
+from app.server.security import AUTH_COOKIE, CLIENT_COOKIE, Access, ParleyAuth, Principal
 from app.server.ws import ws_endpoint
 
 log = logging.getLogger(__name__)
-
-ROOT = Path(__file__).resolve().parent.parent.parent
-STATIC_DIR = ROOT / "static"
-TEMPLATES_DIR = ROOT / "templates"
 
 # The page runs only our own scripts and styles: no inline script, no third-party origin.
 CSP = (
@@ -40,31 +41,108 @@ CSP = (
 )
 
 
+def asset_dir(name: str) -> Path:
+    """static/ or templates/: inside the package in an installed wheel (the build maps
+    them there), at the top of the repository in a checkout or an editable install."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / name, package.parent / name):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"Parley's {name}/ folder is missing from {package}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """The web side: where to listen and per-connection limits."""
+    """The web side: where to listen, who may connect, per-connection limits."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
     chat: ChatConfig = field(default_factory=ChatConfig)
     otlp_endpoint: str | None = None  # OpenTelemetry traces go here when set
-    api_key: str | None = None  # required on /v1 (Bearer) and /ws (cookie or Bearer)
+    api_key: str | None = None  # one tenant's key, required on /v1 and /ws
+    api_keys: Mapping[str, bytes] | None = None  # several: tenant -> SHA-256 of its key
     allowed_origins: tuple[str, ...] = ()  # besides the page's own origin, for /ws
+    secret: bytes | None = None  # signs cookies; None: a new one per process
+
+    def access(self) -> Access:
+        if self.api_key and self.api_keys:
+            raise ValueError("give one API key or a keys file, not both")
+        kw: dict[str, Any] = {"allowed_origins": self.allowed_origins, "secret": self.secret}
+        if self.api_keys:
+            return Access(self.api_keys, **kw)
+        return Access.single_key(self.api_key, **kw)
+
+
+# -- handlers --------------------------------------------------------------------------------
+
+
+def _page(request: Request, template: str, context: dict[str, Any], status: int = 200):
+    response = request.state.templates.TemplateResponse(
+        request, template, context, status_code=status
+    )
+    response.headers["Content-Security-Policy"] = CSP
+    return response
+
+
+async def index(request: Request) -> Response:
+    principal = request.user
+    if not isinstance(principal, Principal):
+        return _page(request, "login.html", {"error": None})
+    response = _page(request, "index.html", {"model_name": request.state.engine.info.name})
+    if principal.new_client_cookie:  # this browser's lineage: it owns its conversations
+        response.set_cookie(
+            CLIENT_COOKIE, principal.new_client_cookie, httponly=True, samesite="strict"
+        )
+    return response
+
+
+async def login(request: Request) -> Response:
+    access: Access = request.state.access
+    if not access.enabled:
+        return RedirectResponse("/", status_code=303)
+    key = (await request.form()).get("key")
+    tenant = access.tenant_for_key(key) if isinstance(key, str) else None
+    if tenant is None:
+        return _page(request, "login.html", {"error": "That key is not right."}, 401)
+    response = RedirectResponse("/", status_code=303)
+    response.set_cookie(
+        AUTH_COOKIE, access.page_cookie(tenant), httponly=True, samesite="strict", path="/"
+    )
+    return response
+
+
+async def health(request: Request) -> Response:
+    """The process is up."""
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """The model is loaded and the engine can serve."""
+    if request.state.engine.healthy():
+        return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": "engine not running"}, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+# -- the app ---------------------------------------------------------------------------------
 
 
 def create_app(
     engine_config: EngineConfig | None = None,
     server_config: ServerConfig | None = None,
-    engine: Any = None,
+    engine: EngineClient | None = None,
     listeners: list[Any] | None = None,
 ) -> Starlette:
-    """Build the app. `engine` (an AsyncEngine or a fake with its interface) replaces the
-    one the lifespan would otherwise build from `engine_config`; `listeners` (engine
-    listeners, e.g. a RequestTracer) are attached to it besides the metrics."""
+    """Build the app. `engine` (anything behind EngineClient) replaces the one the
+    lifespan would otherwise build from `engine_config`; `listeners` (engine listeners,
+    e.g. a RequestTracer) are attached to it besides the metrics."""
     server_config = server_config or ServerConfig()
-    templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
-    access = Access(server_config.api_key, server_config.allowed_origins)
+    access = server_config.access()
+    templates = Jinja2Templates(directory=str(asset_dir("templates")))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -77,11 +155,9 @@ def create_app(
             from app.server.tracing import RequestTracer
 
             extra.append(RequestTracer.to_endpoint(server_config.otlp_endpoint))
-        if hasattr(eng, "add_listener"):
-            for listener in [metrics, *extra]:
-                eng.add_listener(listener)
+        for listener in [metrics, *extra]:
+            eng.add_listener(listener)
         chat = ChatService(eng, server_config.chat)
-        model_name = getattr(eng, "model_name", "model")
         eng.start()
         try:
             yield {
@@ -89,56 +165,13 @@ def create_app(
                 "chat": chat,
                 "engine": eng,
                 "metrics": metrics,
-                "openai": openai_api.OpenAIAPI(eng, chat.prompt, model_name),
+                "openai": openai_api.OpenAIAPI(eng, chat.prompt, chat.cache_salt),
+                "templates": templates,
             }
         finally:
             await eng.stop()
             for listener in extra:
-                if hasattr(listener, "shutdown"):
-                    listener.shutdown()
-
-    async def index(request: Request) -> Response:
-        if not access.cookie_ok(request.cookies):
-            return login_page(request)
-        engine_ = request.state.engine
-        response = templates.TemplateResponse(
-            request,
-            "index.html",
-            {"model_name": getattr(engine_, "model_name", "model")},
-        )
-        response.headers["Content-Security-Policy"] = CSP
-        return response
-
-    def login_page(request: Request, error: str | None = None) -> Response:
-        response = templates.TemplateResponse(
-            request, "login.html", {"error": error}, status_code=401 if error else 200
-        )
-        response.headers["Content-Security-Policy"] = CSP
-        return response
-
-    async def login(request: Request) -> Response:
-        form = await request.form()
-        key = form.get("key")
-        if not access.enabled:
-            return RedirectResponse("/", status_code=303)
-        if not isinstance(key, str) or not access.key_matches(key):
-            return login_page(request, "That key is not right.")
-        response = RedirectResponse("/", status_code=303)
-        response.set_cookie(COOKIE, access.page_token(), httponly=True, samesite="strict", path="/")
-        return response
-
-    async def health(request: Request) -> Response:
-        """The process is up."""
-        return JSONResponse({"status": "ok"})
-
-    async def ready(request: Request) -> Response:
-        """The model is loaded and the engine loop is alive."""
-        if request.state.engine.is_running:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "engine not running"}, status_code=503)
-
-    async def metrics(request: Request) -> Response:
-        return Response(request.state.metrics.render(), media_type=CONTENT_TYPE)
+                listener.shutdown()
 
     routes = [
         Route("/", index),
@@ -148,12 +181,13 @@ def create_app(
         Route("/metrics", metrics),
         *openai_api.routes(),
         WebSocketRoute("/ws", ws_endpoint),
-        Mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static"),
+        Mount("/static", StaticFiles(directory=str(asset_dir("static"))), name="static"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(AuthenticationMiddleware, backend=ParleyAuth(access))]
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 
-def _build_engine(config: EngineConfig):
+def _build_engine(config: EngineConfig) -> EngineClient:
     from app.engine.async_engine import AsyncEngine
     from app.engine.engine import LLMEngine
 

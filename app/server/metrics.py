@@ -21,7 +21,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.engine.request import Request
+from app.engine.outputs import FinishedRequestStats
+from app.engine.protocol import EngineClient
 
 P = "parley:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -34,8 +35,8 @@ _ITL = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 
 class Metrics:
     """The app's metrics. Attach with `engine.listeners.append(metrics)`."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine  # AsyncEngine (or a fake): its stats() snapshot
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine  # its stats() snapshot is read at scrape time
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -73,21 +74,21 @@ class Metrics:
 
     # -- EngineListener (called on the engine's thread) -----------------------------------
 
-    def on_tokens(self, request: Request, num_tokens: int, gap_s: float | None) -> None:
+    def on_tokens(self, request_id: str, num_tokens: int, gap_s: float | None) -> None:
         if gap_s is not None:
             self.itl.observe(gap_s)
 
-    def on_finished(self, request: Request) -> None:
-        t = request.timings
+    def on_finished(self, stats: FinishedRequestStats) -> None:
+        t = stats.timings
         if t.first_token is not None:
             self.ttft.observe(t.first_token - t.arrival)
         if t.first_scheduled is not None:
             self.queue.observe(t.first_scheduled - t.arrival)
         if t.finished is not None:
             self.e2e.observe(t.finished - t.arrival)
-        self.prompt_tokens.inc(request.num_prompt_tokens)
-        self.generation_tokens.inc(request.num_output_tokens)
-        self.success.labels(str(request.finish_reason)).inc()
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_output_tokens)
+        self.success.labels(str(stats.finish_reason)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -96,7 +97,7 @@ class Metrics:
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine's stats snapshot at scrape time."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:

@@ -18,53 +18,24 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.chat.prompt import Message
-from app.engine.async_engine import EngineDeadError, EngineOverloadedError
-from app.engine.engine import RequestOutput
+from app.chat.prompt import ChatPrompt, Message
+from app.engine.errors import BadParameter
+from app.engine.outputs import RequestOutput
+from app.engine.protocol import EngineClient
 from app.engine.request import FinishReason, SamplingParams
+from app.server.errors import ENGINE_ERRORS, APIError, api_error
+from app.server.params import PARAMS, sampling_params
+from app.server.security import Principal
 
 MAX_BODY_BYTES = 4 << 20
-
-
-class APIError(Exception):
-    """An OpenAI error object and its HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+INLINE_RENDER_CHARS = 8192  # longer chats are rendered and tokenized off the event loop
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -73,55 +44,26 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 # -- request parsing -----------------------------------------------------------------------
 
-_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty")  # fmt: skip
-_INTEGERS = ("top_k", "seed")
 
-
-def sampling_params(body: dict[str, Any], max_tokens_limit: int) -> SamplingParams:
-    """SamplingParams from an OpenAI request body. Raises APIError(400)."""
-    values: dict[str, Any] = {}
-    for key in _NUMBERS:
-        v = body.get(key)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise bad(f"'{key}' must be a number", key)
-            values[key] = v
-    for key in _INTEGERS:
-        v = body.get(key)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise bad(f"'{key}' must be an integer", key)
-            values[key] = v
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise bad(f"'{param}' must be an integer >= 1", param)
-        if max_tokens > max_tokens_limit:
-            raise bad(f"'{param}' is limited to {max_tokens_limit}", param)
-    values["max_tokens"] = max_tokens  # None: up to the context window
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad("'stop' must be a string or a list of strings", "stop")
-        values["stop"] = tuple(stop)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise bad("'ignore_eos' must be a boolean", "ignore_eos")
-    values["ignore_eos"] = ignore_eos
+def request_params(body: dict[str, Any], max_tokens_limit: int) -> SamplingParams:
+    """SamplingParams from an OpenAI request body (the shared parser, with OpenAI's
+    spellings). Raises APIError(400) naming the field."""
+    values = {key: body.get(key) for key in PARAMS}
+    param = "max_tokens"
+    if body.get("max_completion_tokens") is not None:
+        values["max_tokens"] = body["max_completion_tokens"]
+        param = "max_completion_tokens"
     n = body.get("n", 1)
     if n != 1:
         raise bad("only n=1 is supported", "n")
     if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
         raise bad("logprobs and echo are not supported", "logprobs")
     try:
-        return SamplingParams(**values)
-    except ValueError as exc:
-        param = str(exc).split(" ")[0]
-        raise bad(str(exc), param if param in body else None) from None
+        return sampling_params(values, max_tokens_limit)
+    except BadParameter as exc:
+        name = param if exc.name == "max_tokens" else exc.name
+        message = str(exc).replace("max_tokens", name, 1) if name else str(exc)
+        raise bad(message, name) from None
 
 
 def chat_messages(body: dict[str, Any]) -> list[Message]:
@@ -162,10 +104,12 @@ def _content(content: Any, i: int) -> str:
 class OpenAIAPI:
     """Handlers over the app's engine and chat prompt builder."""
 
-    def __init__(self, engine, prompt, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, prompt: ChatPrompt, cache_salt) -> None:
         self.engine = engine
         self.prompt = prompt
-        self.model_name = model_name
+        self.model_name = engine.info.name
+        self.max_tokens_limit = engine.info.max_model_len - 1
+        self.cache_salt = cache_salt  # Principal -> salt or None (tenant isolation)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(
@@ -178,30 +122,28 @@ class OpenAIAPI:
         )
 
     async def chat_completions(self, request: Request) -> Response:
-        try:
-            body = await self._body(request)
-            params = sampling_params(body, self.engine.max_model_len - 1)
-            prompt_ids = self.prompt.render(chat_messages(body))
-            return await self._complete(request, body, prompt_ids, params, chat=True)
-        except APIError as err:
-            return err.response()
+        body = await self._body(request)
+        params = request_params(body, self.max_tokens_limit)
+        messages = chat_messages(body)
+        if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:
+            prompt_ids = await asyncio.to_thread(self.prompt.render, messages)
+        else:
+            prompt_ids = self.prompt.render(messages)
+        return await self._complete(request, body, prompt_ids, params, chat=True)
 
     async def completions(self, request: Request) -> Response:
-        try:
-            body = await self._body(request)
-            params = sampling_params(body, self.engine.max_model_len - 1)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                prompt_ids: str | list[int] = prompt  # token ids
-            elif isinstance(prompt, str) and prompt:
-                prompt_ids = prompt
-            else:
-                raise bad("'prompt' must be a non-empty string (one prompt per request)", "prompt")
-            return await self._complete(request, body, prompt_ids, params, chat=False)
-        except APIError as err:
-            return err.response()
+        body = await self._body(request)
+        params = request_params(body, self.max_tokens_limit)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids: str | list[int] = prompt  # token ids
+        elif isinstance(prompt, str) and prompt:
+            prompt_ids = prompt
+        else:
+            raise bad("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+        return await self._complete(request, body, prompt_ids, params, chat=False)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         raw = await request.body()
@@ -232,65 +174,59 @@ class OpenAIAPI:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise bad("'stream_options' must be an object", "stream_options")
-        outputs = self._start(prompt, params)
-        first = await self._first(outputs)  # errors surface here, before any byte is sent
+        outputs = self.engine.generate(
+            prompt,
+            params,
+            "api-" + uuid.uuid4().hex,
+            cache_salt=self.cache_salt(request.user),
+        )
         kind = "chat.completion" if chat else "text_completion"
         meta = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),
             "model": self.model_name,
         }
-        if stream:
-            events = _sse(meta, kind, first, outputs, chat, bool(options.get("include_usage")))
-            return StreamingResponse(events, media_type="text/event-stream")
-        return await _until_disconnected(request, _collect(meta, kind, first, outputs, chat))
+        prompt_param = "messages" if chat else "prompt"
 
-    def _start(self, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(prompt, params, "api-" + uuid.uuid4().hex)
+        async def respond() -> Response:
+            try:
+                first = await outputs.__anext__()  # errors surface before any byte is sent
+            except ENGINE_ERRORS as exc:
+                raise api_error(exc, prompt_param) from None
+            if stream:
+                include_usage = bool(options.get("include_usage"))
+                events = _sse(meta, kind, first, outputs, chat, include_usage)
+                return StreamingResponse(events, media_type="text/event-stream")
+            return await _collect(meta, kind, first, outputs, chat)
 
-    async def _first(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-        try:
-            return await outputs.__anext__()
-        except ValueError as exc:
-            message = str(exc)
-            if "context" in message or "KV cache" in message:
-                raise bad(message, "messages", "context_length_exceeded") from None
-            raise bad(message) from None
-        except EngineOverloadedError as exc:
-            raise APIError(
-                429,
-                str(exc),
-                type="rate_limit_error",
-                code="server_busy",
-                headers={"Retry-After": str(max(1, round(exc.retry_after_s)))},
-            ) from None
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
+        # From acceptance on, a client that leaves aborts its request: while it queues,
+        # while its prompt is computed, and (non-streaming) until the whole reply is ready.
+        # A streaming response, once started, stops at its next send to a closed socket.
+        return await _until_disconnected(request, respond(), outputs)
 
 
 def routes() -> list[Route]:
     """The /v1 routes; each finds the app's OpenAIAPI in the lifespan state."""
 
-    def authorized(handler):
-        async def endpoint(request: Request) -> Response:
-            if not request.state.access.bearer_ok(request.headers):
+    def endpoint(handler):
+        async def run(request: Request) -> Response:
+            if not isinstance(request.user, Principal):
                 return APIError(
                     401,
                     "a valid API key is required: Authorization: Bearer <key>",
                     code="invalid_api_key",
                 ).response()
-            return await handler(request.state.openai, request)
+            try:
+                return await handler(request.state.openai, request)
+            except APIError as err:
+                return err.response()
 
-        return endpoint
-
-    models = authorized(OpenAIAPI.models)
-    chat_completions = authorized(OpenAIAPI.chat_completions)
-    completions = authorized(OpenAIAPI.completions)
+        return run
 
     return [
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", endpoint(OpenAIAPI.models), methods=["GET"]),
+        Route("/v1/chat/completions", endpoint(OpenAIAPI.chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint(OpenAIAPI.completions), methods=["POST"]),
     ]
 
 
@@ -327,9 +263,11 @@ async def _collect(meta, kind, first, outputs, chat: bool) -> Response:
     return JSONResponse({**meta, "object": kind, "choices": [choice], "usage": _usage(last)})
 
 
-async def _until_disconnected(request: Request, work) -> Response:
-    """Run `work` unless the client goes away first: then cancel it (which aborts the
-    engine request) and answer nobody."""
+async def _until_disconnected(
+    request: Request, work: Awaitable[Response], outputs: AsyncIterator[RequestOutput]
+) -> Response:
+    """Run `work` unless the client goes away first: then cancel it, close the engine
+    stream (which aborts the request) and answer nobody."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -339,13 +277,16 @@ async def _until_disconnected(request: Request, work) -> Response:
                 return
 
     watcher = asyncio.ensure_future(watch())
-    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
         watcher.cancel()
+    if task in done:
         return task.result()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    await outputs.aclose()  # a stream never started is closed here: the abort is sent
     return Response(status_code=499)  # nobody is listening
 
 

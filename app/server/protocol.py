@@ -20,17 +20,17 @@ raise ProtocolError with a code and a message fit to show; nothing here touches 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from app.chat.prompt import ROLES, Message
+from app.engine.errors import BadParameter
 from app.engine.request import SamplingParams
+from app.server.params import PARAMS, sampling_params
 
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID_LENGTH = 128
 MAX_MESSAGES = 1000
-DEFAULT_MAX_TOKENS = 512
 
 # Error codes.
 BAD_REQUEST = "bad_request"  # malformed frame or field
@@ -42,6 +42,8 @@ UNKNOWN_ID = "unknown_id"  # cancel of an id that is not in flight
 CONVERSATION_BUSY = "conversation_busy"  # a turn of that conversation is in flight
 TOO_MANY_TURNS = "too_many_turns"  # per-socket limit of turns in flight
 BUSY = "busy"  # the server is overloaded: retry later
+FORBIDDEN = "forbidden"  # the conversation belongs to another client
+UNAVAILABLE = "unavailable"  # the engine is not running: retry later
 INTERNAL = "internal"
 
 
@@ -85,21 +87,6 @@ class PingFrame:
 
 
 Frame = ChatFrame | CancelFrame | DeleteFrame | PingFrame
-
-# Sampling parameters a client may set, and their JSON types.
-_PARAMS: dict[str, tuple[type, ...]] = {
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int,),
-    "min_p": (int, float),
-    "max_tokens": (int,),
-    "seed": (int,),
-    "stop": (str, list),
-    "presence_penalty": (int, float),
-    "frequency_penalty": (int, float),
-    "repetition_penalty": (int, float),
-    "ignore_eos": (bool,),  # for benchmarks: replies of exactly max_tokens
-}
 
 
 def parse_frame(raw: str | bytes, max_tokens_limit: int) -> Frame:
@@ -191,30 +178,13 @@ def _params(raw: Any, max_tokens_limit: int, fail) -> SamplingParams:
         raw = {}
     if not isinstance(raw, dict):
         raise fail("'params' must be an object")
-    unknown = set(raw) - set(_PARAMS)
+    unknown = set(raw) - set(PARAMS)
     if unknown:
         raise fail(f"unknown params: {', '.join(sorted(unknown))}")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) != (_PARAMS[key] == (bool,)) or not isinstance(
-            value, _PARAMS[key]
-        ):
-            raise fail(f"params.{key} has the wrong type ({type(value).__name__})")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise fail(f"params.{key} must be finite")
-        values[key] = value
-    values.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, max_tokens_limit))
-    if isinstance(values["max_tokens"], int) and values["max_tokens"] > max_tokens_limit:
-        raise fail(f"params.max_tokens is limited to {max_tokens_limit}")
-    stop = values.get("stop")
-    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise fail("params.stop must be a string or a list of strings")
     try:
-        return SamplingParams(**values)
-    except ValueError as exc:
-        raise fail(f"params: {exc}") from None
+        return sampling_params(raw, max_tokens_limit)
+    except BadParameter as exc:
+        raise fail(f"params.{exc}") from None
 
 
 @dataclass

@@ -1,56 +1,182 @@
-"""Who may connect: an optional API key, and the WebSocket Origin check.
+"""Who is asking: tenants (API keys), browser lineages, and the WebSocket Origin check.
 
-- /v1 takes the key as `Authorization: Bearer <key>`.
-- The chat page cannot put headers on a WebSocket, and a key in the URL would end up in
-  logs. So the page asks for the key once (a form on its own origin) and gets an HttpOnly,
-  SameSite=Strict cookie holding an HMAC of it; /ws accepts that cookie or the Bearer
-  header (for non-browser clients).
-- Every /ws handshake from a browser carries an Origin. One that is neither the page's own
-  origin nor in the allow-list is refused: another site's page must not talk to Parley
-  with its visitor's cookies (cross-site WebSocket hijacking).
+Every request gets a Principal from Starlette's authentication middleware (ParleyAuth):
+
+- With API keys (`--api-key`, or several named ones in `--api-keys-file`), the principal is
+  the key's tenant. /v1 takes the key as `Authorization: Bearer <key>`; the chat page,
+  which cannot put headers on a WebSocket (and must not put a key in a URL, where logs
+  keep it), asks for the key once and gets an HttpOnly, SameSite=Strict cookie naming the
+  tenant under an HMAC; /ws accepts that cookie or the Bearer header. Keys are kept only
+  as SHA-256 digests.
+- Without keys everyone is let in, and a conversation belongs to the browser that started
+  it: the page (and /ws) hand out a client cookie, a random id under an HMAC, so a reload
+  keeps the lineage. A client that keeps no cookies is its own socket.
+
+A conversation is bound to the principal's `owner` (see chat_service): nobody else can
+continue it from the server's memory, delete it or resume its stream. Tenants are
+separate namespaces altogether.
+
+Every /ws handshake from a browser carries an Origin. One that is neither the page's own
+origin nor in the allow-list is refused: another site's page must not talk to Parley with
+its visitor's cookies (cross-site WebSocket hijacking).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
-COOKIE = "parley_auth"
+from starlette.authentication import AuthCredentials, AuthenticationBackend, BaseUser
+from starlette.requests import HTTPConnection
+
+AUTH_COOKIE = "parley_auth"  # a tenant's page login
+CLIENT_COOKIE = "parley_client"  # a browser lineage, without keys
+DEFAULT_TENANT = "default"  # the tenant of a single --api-key
+
+
+@dataclass(frozen=True)
+class Principal(BaseUser):
+    """Who sent a request. `tenant` is "" without API keys; `owner` is who owns the
+    conversations it starts (the tenant, a browser lineage, or one socket)."""
+
+    tenant: str
+    owner: str
+    new_client_cookie: str | None = None  # a lineage begun now: send this cookie back
+
+    @property
+    def is_authenticated(self) -> bool:
+        return True
+
+    @property
+    def display_name(self) -> str:
+        return self.tenant or "anonymous"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def persistent_secret(folder: Path) -> bytes:
+    """The key that signs cookies, kept in `folder` (readable by its owner only) so that
+    browsers keep their lineage, and their conversations, across restarts."""
+    path = folder / "cookie-secret"
+    try:
+        secret = path.read_bytes()
+        if len(secret) == 32:
+            return secret
+    except FileNotFoundError:
+        pass
+    folder.mkdir(parents=True, exist_ok=True)
+    secret = secrets.token_bytes(32)
+    tmp = path.with_suffix(".tmp")
+    tmp.touch(mode=0o600)
+    tmp.write_bytes(secret)
+    tmp.replace(path)
+    return secret
+
+
+def parse_keys_file(path: Path) -> dict[str, bytes]:
+    """Tenants and key digests from a file of `name key` lines (`name sha256:<hex>` for a
+    key given as its digest; `#` starts a comment). Raises ValueError on a bad line."""
+    keys: dict[str, bytes] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{number}: expected 'name key', got {len(parts)} fields")
+        name, key = parts
+        if name in keys:
+            raise ValueError(f"{path}:{number}: tenant {name!r} is listed twice")
+        if key.startswith("sha256:"):
+            try:
+                digest = bytes.fromhex(key.removeprefix("sha256:"))
+            except ValueError:
+                raise ValueError(f"{path}:{number}: not a hex digest") from None
+            if len(digest) != 32:
+                raise ValueError(f"{path}:{number}: a sha256 digest has 64 hex digits")
+        else:
+            digest = _digest(key)
+        keys[name] = digest
+    if not keys:
+        raise ValueError(f"{path} lists no keys")
+    return keys
 
 
 class Access:
-    """Checks for one server's key and allowed origins."""
+    """One server's keys, cookie secret and allowed origins."""
 
-    def __init__(self, api_key: str | None, allowed_origins: tuple[str, ...] = ()) -> None:
-        self.api_key = api_key or None
+    def __init__(
+        self,
+        keys: Mapping[str, bytes] | None = None,
+        allowed_origins: tuple[str, ...] = (),
+        secret: bytes | None = None,
+    ) -> None:
+        self._tenants = {digest: name for name, digest in (keys or {}).items()}
         self.allowed_origins = {o.rstrip("/").lower() for o in allowed_origins}
+        self._secret = secret or secrets.token_bytes(32)
+
+    @classmethod
+    def single_key(cls, api_key: str | None, **kw) -> Access:
+        return cls({DEFAULT_TENANT: _digest(api_key)} if api_key else None, **kw)
 
     @property
     def enabled(self) -> bool:
-        return self.api_key is not None
+        """Whether API keys are required."""
+        return bool(self._tenants)
 
-    def page_token(self) -> str:
-        """The cookie value: proves the key was given, without being the key."""
-        assert self.api_key is not None
-        return hmac.new(self.api_key.encode(), b"parley-page", hashlib.sha256).hexdigest()
+    def tenant_for_key(self, key: str) -> str | None:
+        digest = _digest(key)
+        for known, name in self._tenants.items():
+            if hmac.compare_digest(known, digest):
+                return name
+        return None
 
-    def key_matches(self, candidate: str) -> bool:
-        return self.api_key is not None and hmac.compare_digest(
-            candidate.encode(), self.api_key.encode()
-        )
+    # -- signed cookie values: "<value>.<mac>" ---------------------------------------------
 
-    def bearer_ok(self, headers: Mapping[str, str]) -> bool:
-        if not self.enabled:
-            return True
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and self.key_matches(token.strip())
+    def _sign(self, kind: str, value: str) -> str:
+        mac = hmac.new(self._secret, f"{kind}:{value}".encode(), hashlib.sha256).hexdigest()
+        return f"{value}.{mac[:32]}"
 
-    def cookie_ok(self, cookies: Mapping[str, str]) -> bool:
-        if not self.enabled:
-            return True
-        return hmac.compare_digest(cookies.get(COOKIE, "").encode(), self.page_token().encode())
+    def _verify(self, kind: str, cookie: str | None) -> str | None:
+        if not cookie or "." not in cookie:
+            return None
+        value = cookie.rsplit(".", 1)[0]
+        return value if hmac.compare_digest(self._sign(kind, value), cookie) else None
+
+    def page_cookie(self, tenant: str) -> str:
+        """The login cookie: proves the tenant's key was given, without being the key."""
+        return self._sign("tenant", tenant)
+
+    def new_client_cookie(self) -> str:
+        return self._sign("client", secrets.token_hex(16))
+
+    # -- who is asking ---------------------------------------------------------------------
+
+    def authenticate(
+        self, headers: Mapping[str, str], cookies: Mapping[str, str]
+    ) -> Principal | None:
+        """The principal of a request, or None when a key is required and missing."""
+        if self.enabled:
+            tenant = None
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                tenant = self.tenant_for_key(token.strip())
+            else:
+                named = self._verify("tenant", cookies.get(AUTH_COOKIE))
+                tenant = named if named in self._tenants.values() else None
+            return None if tenant is None else Principal(tenant, f"tenant:{tenant}")
+        client = self._verify("client", cookies.get(CLIENT_COOKIE))
+        if client is not None:
+            return Principal("", f"client:{client}")
+        cookie = self.new_client_cookie()
+        return Principal("", f"client:{cookie.rsplit('.', 1)[0]}", new_client_cookie=cookie)
 
     def origin_ok(self, headers: Mapping[str, str], scheme: str) -> bool:
         """No Origin (not a browser), the page's own origin, or an allowed one."""
@@ -64,3 +190,17 @@ class Access:
         parts = urlsplit(origin)
         own = {"ws": "http", "wss": "https"}.get(scheme, scheme)
         return parts.scheme == own and parts.netloc == host
+
+
+class ParleyAuth(AuthenticationBackend):
+    """Starlette's authentication middleware backend: `request.user` is a Principal, or
+    unauthenticated when a key is required and none was given."""
+
+    def __init__(self, access: Access) -> None:
+        self.access = access
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, Principal] | None:
+        principal = self.access.authenticate(conn.headers, conn.cookies)
+        if principal is None:
+            return None
+        return AuthCredentials(["authenticated"]), principal

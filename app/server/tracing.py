@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from app.engine.request import Request
+from app.engine.outputs import FinishedRequestStats
 
 
 class RequestTracer:
@@ -41,22 +41,22 @@ class RequestTracer:
     def _ns(self, t: float) -> int:
         return int(t * 1e9) + self._offset_ns
 
-    def on_tokens(self, request: Request, num_tokens: int, gap_s: float | None) -> None:
+    def on_tokens(self, request_id: str, num_tokens: int, gap_s: float | None) -> None:
         pass
 
-    def on_finished(self, request: Request) -> None:
+    def on_finished(self, stats: FinishedRequestStats) -> None:
         from opentelemetry import trace
 
-        t = request.timings
+        t = stats.timings
         end = t.finished or time.monotonic()
         attributes = {
-            "parley.request_id": request.request_id,
-            "parley.session_id": request.session_id or "",
-            "parley.prompt_tokens": request.num_prompt_tokens,
-            "parley.cached_tokens": max(request.num_cached_tokens, 0),
-            "parley.completion_tokens": request.num_output_tokens,
-            "parley.preemptions": request.num_preemptions,
-            "parley.finish_reason": str(request.finish_reason),
+            "parley.request_id": stats.request_id,
+            "parley.session_id": stats.session_id or "",
+            "parley.prompt_tokens": stats.num_prompt_tokens,
+            "parley.cached_tokens": stats.num_cached_tokens,
+            "parley.completion_tokens": stats.num_output_tokens,
+            "parley.preemptions": stats.num_preemptions,
+            "parley.finish_reason": str(stats.finish_reason),
         }
         root = self.tracer.start_span(
             "llm_request", start_time=self._ns(t.arrival), attributes=attributes

@@ -4,6 +4,7 @@ Several conversations share a connection, and several turns run at once across t
 per conversation). Frames of different turns interleave; each turn's frames stay in order
 and end with exactly one `done` or `error`. A closed socket cancels its turns: their
 requests are aborted within one engine step (their K/V stays pinned to the conversation).
+Turn ids are the client's and mean something only on their own socket.
 
 Backpressure: sends are awaited, so a client that reads slowly holds up its own turns, and
 meanwhile the engine's outputs for them merge into bigger deltas (AsyncEngine.generate)
@@ -20,10 +21,12 @@ from dataclasses import dataclass
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from app.engine.async_engine import EngineDeadError, EngineOverloadedError
+from app.engine.outputs import RequestOutput
 from app.engine.request import FinishReason
 from app.server import protocol as p
-from app.server.turns import ChatService, Turn
+from app.server.chat_service import ChatService, Turn
+from app.server.errors import ENGINE_ERRORS, ws_error
+from app.server.security import CLIENT_COOKIE, Access, Principal
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +41,21 @@ class ActiveTurn:
 class ChatSocket:
     """One WebSocket connection and its turns in flight."""
 
-    def __init__(self, websocket: WebSocket, chat: ChatService) -> None:
+    def __init__(self, websocket: WebSocket, chat: ChatService, principal: Principal) -> None:
         self.ws = websocket
         self.chat = chat
+        self.principal = principal
         self.turns: dict[str, ActiveTurn] = {}  # by the client's turn id
         self._send_lock = asyncio.Lock()
         self._closed = False
 
     async def run(self) -> None:
-        await self.ws.accept()
+        headers = []
+        if self.principal.new_client_cookie:  # a new lineage: clients that keep cookies keep it
+            value = self.principal.new_client_cookie
+            cookie = f"{CLIENT_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict"
+            headers.append((b"set-cookie", cookie.encode()))
+        await self.ws.accept(headers=headers)
         try:
             while True:
                 message = await self.ws.receive()
@@ -87,10 +96,10 @@ class ChatSocket:
                 raise p.ProtocolError(p.UNKNOWN_ID, f"no turn {frame.id!r} is in flight", frame.id)
             self.chat.engine.abort(active.request_id)  # ends with finish_reason "cancelled"
         elif isinstance(frame, p.DeleteFrame):
+            self.chat.delete(self.principal, frame.conversation_id)  # raises if not ours
             for active in self.turns.values():
                 if active.turn.frame.conversation_id == frame.conversation_id:
-                    self.chat.engine.abort(active.request_id)  # before the release: FIFO
-            self.chat.delete(frame.conversation_id)
+                    self.chat.engine.abort(active.request_id)
             await self.send(p.deleted_frame(frame.conversation_id))
         elif isinstance(frame, p.ChatFrame):
             self._start_turn(frame)
@@ -107,83 +116,75 @@ class ChatSocket:
                 frame.id,
                 retryable=True,
             )
-        turn = self.chat.begin_turn(frame)  # raises ProtocolError (busy, too long, ...)
+        turn = self.chat.begin_turn(frame, self.principal)  # raises: busy, forbidden
         active = ActiveTurn(turn, uuid.uuid4().hex)
         self.turns[frame.id] = active
         active.task = asyncio.create_task(self._stream(active))
 
     async def _stream(self, active: ActiveTurn) -> None:
+        """Run one turn: its frames, then exactly one terminal frame (unless the socket
+        is gone). Whatever happens, the turn ends in the `finally`."""
         turn, frame = active.turn, active.turn.frame
-        started = False
-        seq = 0
         reply: list[str] = []
         reply_ids: list[int] = []
-        last = None
+        last: RequestOutput | None = None
+        started = False
+        terminal: str | None = None
         try:
-            if frame.cache:
-                stream = self.chat.engine.generate(
-                    turn.prompt_ids, frame.params, active.request_id, frame.conversation_id
-                )
-            else:  # no K/V kept or reused: every turn computes its whole prompt
-                stream = self.chat.engine.generate(
-                    turn.prompt_ids, frame.params, active.request_id, use_prefix_cache=False
-                )
+            prompt_ids = await self.chat.prompt_ids(turn)
+            stream = self.chat.engine.generate(
+                prompt_ids,
+                frame.params,
+                active.request_id,
+                turn.conversation.key if frame.cache else None,
+                use_prefix_cache=frame.cache,  # False: every turn computes its whole prompt
+                cache_salt=self.chat.cache_salt(self.principal),
+            )
+            seq = 0
             async for out in stream:
                 last = out
                 reply_ids += out.new_token_ids
                 if not started:
-                    started = await self.send(
-                        p.start_frame(
-                            frame.id, frame.conversation_id, out.prompt_tokens, out.cached_tokens
-                        )
-                    )
+                    started = await self._send_start(frame, out)
                 if out.new_text:
                     reply.append(out.new_text)
                     if not await self.send(p.token_frame(frame.id, seq, out.new_text)):
                         break  # the client is gone: leaving the loop aborts the request
                     seq += 1
             if last is not None and last.finish_reason is FinishReason.ERROR:
-                self.chat.end_turn(turn, None, None)
-                err = p.ProtocolError(p.INTERNAL, "the engine failed this turn", frame.id, True)
-                await self.send(p.error_frame(err))
+                terminal = p.error_frame(
+                    p.ProtocolError(p.INTERNAL, "the engine failed this turn", frame.id, True)
+                )
             elif last is not None and last.finished:
                 if not started:
-                    await self.send(
-                        p.start_frame(
-                            frame.id, frame.conversation_id, last.prompt_tokens, last.cached_tokens
-                        )
-                    )
-                self.chat.end_turn(turn, "".join(reply), reply_ids)
-                reason = str(last.finish_reason)
-                if last.finish_reason is FinishReason.ABORT:
-                    reason = "cancelled"
-                self.chat.log_turn(turn, last, reason)
-                await self.send(
-                    p.done_frame(frame.id, reason, self.chat.usage(last), self.chat.timings(last))
+                    await self._send_start(frame, last)
+                reason = (
+                    "cancelled"
+                    if last.finish_reason is FinishReason.ABORT
+                    else str(last.finish_reason)
                 )
-            else:
-                self.chat.end_turn(turn, None, None)
-        except ValueError as exc:  # the engine refused the prompt (too long, ...)
-            self.chat.end_turn(turn, None, None)
-            code = p.TOO_LONG if "context" in str(exc) or "KV cache" in str(exc) else p.BAD_REQUEST
-            await self.send(p.error_frame(p.ProtocolError(code, str(exc), frame.id)))
-        except EngineOverloadedError as exc:
-            self.chat.end_turn(turn, None, None)
-            await self.send(p.error_frame(p.ProtocolError(p.BUSY, str(exc), frame.id, True)))
-        except EngineDeadError as exc:
-            self.chat.end_turn(turn, None, None)
-            err = p.ProtocolError(p.INTERNAL, str(exc), frame.id, retryable=True)
-            await self.send(p.error_frame(err))
+                self.chat.log_turn(turn, last, reason)
+                usage, timings = self.chat.usage(last), self.chat.timings(last)
+                terminal = p.done_frame(frame.id, reason, usage, timings)
+        except ENGINE_ERRORS as exc:
+            terminal = p.error_frame(ws_error(exc, frame.id))
         except asyncio.CancelledError:
-            self.chat.end_turn(turn, None, None)
             raise
         except Exception:
             log.exception("turn %s of conversation %s failed", frame.id, frame.conversation_id)
-            self.chat.end_turn(turn, None, None)
-            err = p.ProtocolError(p.INTERNAL, "internal error", frame.id, retryable=True)
-            await self.send(p.error_frame(err))
+            terminal = p.error_frame(ws_error(RuntimeError(), frame.id))
         finally:
+            completed = terminal is not None and last is not None and last.finished
+            ok = completed and last.finish_reason is not FinishReason.ERROR
+            self.chat.end_turn(turn, "".join(reply) if ok else None, reply_ids if ok else None)
             self.turns.pop(frame.id, None)
+        if terminal is not None:
+            await self.send(terminal)
+
+    async def _send_start(self, frame: p.ChatFrame, out: RequestOutput) -> bool:
+        return await self.send(
+            p.start_frame(frame.id, frame.conversation_id, out.prompt_tokens, out.cached_tokens)
+        )
 
     async def _cancel_all(self) -> None:
         tasks = [a.task for a in self.turns.values() if a.task is not None]
@@ -205,12 +206,14 @@ TRY_AGAIN_LATER = 1013
 
 
 async def ws_endpoint(websocket: WebSocket) -> None:
-    access, chat = websocket.state.access, websocket.state.chat
+    access: Access = websocket.state.access
+    chat: ChatService = websocket.state.chat
     if not access.origin_ok(websocket.headers, websocket.url.scheme):
         log.warning("refused a /ws handshake from origin %s", websocket.headers.get("origin"))
         await websocket.close(POLICY_VIOLATION)  # before accept: the handshake gets a 403
         return
-    if not (access.cookie_ok(websocket.cookies) or access.bearer_ok(websocket.headers)):
+    principal = websocket.user
+    if not isinstance(principal, Principal):  # a key is required and none was given
         await websocket.close(POLICY_VIOLATION)
         return
     if chat.connections >= chat.config.max_connections:
@@ -225,6 +228,6 @@ async def ws_endpoint(websocket: WebSocket) -> None:
         return
     chat.connections += 1
     try:
-        await ChatSocket(websocket, chat).run()
+        await ChatSocket(websocket, chat, principal).run()
     finally:
         chat.connections -= 1

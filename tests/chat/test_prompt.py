@@ -1,5 +1,4 @@
 from app.chat.prompt import ChatPrompt, Message
-from app.chat.sessions import ConversationStore
 
 HISTORY = [
     Message("system", "Be brief."),
@@ -42,15 +41,3 @@ def test_generated_ids_are_spliced_in_place_of_the_reply(tokenizer):
     assert tokenizer.decode(spliced) == tokenizer.decode(plain)
     # Ids equal to the natural tokenization change nothing.
     assert prompt.render(HISTORY, {reply: natural}) == plain
-
-
-def test_store_drops_the_oldest_idle_conversation_when_full():
-    dropped = []
-    store = ConversationStore(dropped.append, max_conversations=2)
-    a = store.get("a")
-    a.turn_id = "busy"  # mid-turn: never dropped
-    store.get("b")
-    store.get("c")
-    assert dropped == ["b"] and "a" in store and "c" in store
-    assert store.delete("c") and dropped == ["b", "c"]
-    assert not store.delete("zzz")  # unknown: still tells the engine (harmless)

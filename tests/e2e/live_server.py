@@ -69,3 +69,12 @@ def chromium_or_skip():
             pytest.fail(f"{CHROMIUM} is missing (apt-get install chromium)")
         pytest.skip(f"{CHROMIUM} is not installed")
     return sync_api
+
+
+def browser_cookie(url: str) -> dict[str, str]:
+    """The Cookie header a browser would send after loading the page: its lineage, which
+    owns the conversations it starts (for clients that have no cookie jar of their own)."""
+    import httpx
+
+    page = httpx.get(url + "/")
+    return {"Cookie": "; ".join(f"{k}={v}" for k, v in page.cookies.items())}

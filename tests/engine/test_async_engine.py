@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from app.engine.async_engine import AsyncEngine, EngineDeadError
+from app.engine.async_engine import AsyncEngine
+from app.engine.errors import EngineDead
 from app.engine.request import SamplingParams
 from tests.engine.util import all_free
 from tests.tiny import tiny_engine
@@ -135,10 +136,10 @@ def test_stopped_engine_refuses_and_fails_open_streams(tokenizer):
         stream = engine.generate([5, 6], params)
         await stream.__anext__()
         await engine.stop()
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDead):
             async for _ in stream:
                 pass
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDead):
             await collect(engine, [5, 6])
 
     asyncio.run(main())

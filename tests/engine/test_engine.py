@@ -240,3 +240,16 @@ def test_half_precision_weights_and_cache(tokenizer, dtype):
     assert all(r.finish_reason == "length" for r in got)
     # Well-spread logits: 16-bit rounding does not change the first greedy tokens.
     assert [r.token_ids[:4] for r in got] == [r.token_ids[:4] for r in full]
+
+
+def test_prefix_counters_count_each_request_once_through_preemptions(tokenizer):
+    """Re-admission after a preemption finds the request's own freed blocks: not a cache
+    hit, and not a second query (the hit rate in /metrics stays true under pressure)."""
+    ps = prompts(6, length=40)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine = tiny_engine(tokenizer, num_blocks=25)
+    got = generate(engine, ps, params)
+    stats = engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert stats.prefix_queries == sum(len(p) for p in ps)
+    assert stats.prefix_hits + stats.pin_hits == sum(r.cached_tokens for r in got) == 0

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from app.config import CacheConfig, EngineConfig, ModelConfig
-from app.engine.llm import LLM
 from app.engine.request import SamplingParams
+from app.llm import LLM
 from app.model.build import build_model
 from app.model.quantize import int8_available
 from tests.model.test_quantize import forward_all

@@ -1,12 +1,13 @@
-"""A fake engine with AsyncEngine's interface: canned replies, fast protocol tests."""
+"""A fake engine behind EngineClient (AsyncEngine's surface): canned replies, fast
+protocol tests."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from app.engine.async_engine import EngineDeadError
-from app.engine.engine import EngineStats, RequestOutput
+from app.engine.errors import ContextTooLong, EngineDead
+from app.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from app.engine.request import FinishReason, SamplingParams, Timings
 
 
@@ -15,10 +16,8 @@ class FakeEngine:
     per output every `delay` seconds. Records what it was asked, for assertions."""
 
     def __init__(self, tokenizer, delay: float = 0.001, reply: str | None = None) -> None:
+        self.info = ModelInfo("fake", 2048, frozenset({tokenizer.eos_token_id}), tokenizer)
         self.tokenizer = tokenizer
-        self.max_model_len = 2048
-        self.eos_token_ids = frozenset({tokenizer.eos_token_id})
-        self.model_name = "fake"
         self.delay = delay
         self.reply = reply
         self.running = False
@@ -29,6 +28,8 @@ class FakeEngine:
         self.prefix_cache: dict[str, bool] = {}
         self.prompts: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
+        self.salts: dict[str, str | None] = {}
+        self.listeners: list = []
 
     def start(self) -> None:
         self.running = True
@@ -36,9 +37,11 @@ class FakeEngine:
     async def stop(self) -> None:
         self.running = False
 
-    @property
-    def is_running(self) -> bool:
+    def healthy(self) -> bool:
         return self.running
+
+    def add_listener(self, listener) -> None:
+        self.listeners.append(listener)
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
@@ -70,12 +73,15 @@ class FakeEngine:
         request_id=None,
         session_id=None,
         use_prefix_cache=True,
+        cache_salt=None,
     ):
         if not self.running:
-            raise EngineDeadError("the engine is not running")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError("the prompt is too long for the context")
+            raise EngineDead("the engine is not running")
+        limit = self.info.max_model_len
+        if len(prompt) >= limit:
+            raise ContextTooLong("the prompt is too long for the context", len(prompt), limit)
         self.live.add(request_id)
+        self.salts[request_id] = cache_salt
         self.sessions[request_id] = session_id
         self.prefix_cache[request_id] = use_prefix_cache
         self.prompts[request_id] = list(prompt)

@@ -2,14 +2,12 @@
 working (a normal chat on another connection completes; the block pool is consistent)."""
 
 import asyncio
-import contextlib
 import json
+import uuid
 
 import httpx
 import pytest
 import websockets
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from app.engine.async_engine import AsyncEngine
 from app.server import protocol
@@ -21,7 +19,9 @@ LONG = "word " * 3000  # over the tiny model's 2,048-token context
 
 
 def chat(**fields):
-    frame = {"type": "chat", "id": "bad", "conversation_id": "c", "content": "hi"}
+    # A fresh conversation each time: a conversation belongs to the connection (no cookie
+    # jar here) that started it, and these cases open many connections.
+    frame = {"type": "chat", "id": "bad", "conversation_id": uuid.uuid4().hex, "content": "hi"}
     frame.update(fields)
     return json.dumps({k: v for k, v in frame.items() if v is not ...})
 
@@ -92,7 +92,8 @@ def ws_url(server):
     return server.url.replace("http", "ws") + "/ws"
 
 
-async def normal_chat(url, conversation="healthy"):
+async def normal_chat(url, conversation=None):
+    conversation = conversation or uuid.uuid4().hex
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(chat(id="ok", conversation_id=conversation, content="Hello there",
                            params={"max_tokens": 5}))  # fmt: skip
@@ -177,57 +178,3 @@ def test_api_bad_input(server, case):
     if case == "history over the context":
         assert error["code"] == "context_length_exceeded" and "2048" in error["message"]
     assert_still_healthy(server)
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
-                                                                max_size=4),
-    max_leaves=20,
-)  # fmt: skip
-frame_like = st.fixed_dictionaries(
-    {"type": st.sampled_from(["chat", "cancel", "delete", "ping", "x"])},
-    optional={
-        "id": json_values,
-        "conversation_id": json_values,
-        "messages": json_values,
-        "content": json_values,
-        "params": st.dictionaries(
-            st.sampled_from(
-                [
-                    "temperature",
-                    "top_p",
-                    "top_k",
-                    "max_tokens",
-                    "seed",
-                    "stop",
-                    "min_p",
-                    "ignore_eos",
-                    "bogus",
-                ]
-            ),
-            json_values,
-            max_size=4,
-        ),
-        "system": json_values,
-        "cache": json_values,
-    },
-)
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.one_of(json_values, frame_like))
-def test_parser_never_fails_other_than_with_a_protocol_error(value):
-    try:
-        frame = protocol.parse_frame(json.dumps(value), max_tokens_limit=1000)
-    except protocol.ProtocolError as err:
-        assert err.code and err.message
-    else:
-        assert isinstance(frame, protocol.Frame)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=200) | st.text(max_size=200))
-def test_parser_takes_any_bytes_or_text(raw):
-    with contextlib.suppress(protocol.ProtocolError):
-        protocol.parse_frame(raw, max_tokens_limit=1000)

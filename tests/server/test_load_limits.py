@@ -7,12 +7,14 @@ import random
 import time
 
 import httpx
+import pytest
 import websockets
 
 from app.engine.async_engine import AsyncEngine
 from app.server.app import create_app
-from tests.e2e.live_server import live_server
+from tests.e2e.live_server import browser_cookie, live_server
 from tests.engine.util import all_free
+from tests.server.fake_engine import FakeEngine
 from tests.tiny import tiny_engine
 
 
@@ -27,16 +29,17 @@ def test_fifty_sockets_closed_at_random_leave_a_clean_pool(tokenizer):
     with live_server(create_app(engine=engine)) as s:
         url = s.url.replace("http", "ws") + "/ws"
         rng = random.Random(7)
+        user = browser_cookie(s.url)  # one user, many sockets: the conversations are theirs
 
         async def one(i):
-            async with websockets.connect(url) as ws:
+            async with websockets.connect(url, additional_headers=user) as ws:
                 await ws.send(chat("t", f"conv{i}"))
                 await asyncio.sleep(rng.uniform(0, 0.8))
                 # ...and the socket closes mid-reply (or before the reply started).
 
         async def main():
             await asyncio.gather(*(one(i) for i in range(50)))
-            async with websockets.connect(url) as ws:  # the user deletes the conversations
+            async with websockets.connect(url, additional_headers=user) as ws:  # who deletes
                 for i in range(50):
                     await ws.send(json.dumps({"type": "delete", "conversation_id": f"conv{i}"}))
                     assert json.loads(await ws.recv())["type"] == "deleted"
@@ -101,10 +104,26 @@ def test_a_dead_engine_loop_makes_the_server_not_ready(tokenizer):
         engine._drain_inbox = broken
         engine._wake.set()
         deadline = time.monotonic() + 10
-        while engine.is_running:
+        while engine.healthy():
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert httpx.get(s.url + "/ready").status_code == 503
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503
         assert httpx.get(s.url + "/health").status_code == 200  # the process is still up
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_v1_client_that_leaves_before_the_first_token_aborts_its_request(tokenizer, stream):
+    """Watched from acceptance: while the request waits for its first token (queued or
+    prefilling), a client that goes away takes its request with it."""
+    fake = FakeEngine(tokenizer, delay=60.0)  # the first token would come in a minute
+    with live_server(create_app(engine=fake)) as s:
+        body = {"prompt": "Hello", "max_tokens": 5, "stream": stream}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(s.url + "/v1/completions", json=body, timeout=0.5)
+        assert len(fake.prompts) == 1
+        deadline = time.monotonic() + 10
+        while fake.live:
+            assert time.monotonic() < deadline, "the request outlived its client"
+            time.sleep(0.02)

@@ -3,13 +3,14 @@ connection limit. A live server on 127.0.0.1 (fake engine) and real clients."""
 
 import asyncio
 import json
+import uuid
 
 import httpx
 import pytest
 import websockets
 
 from app.server.app import ServerConfig, create_app
-from app.server.turns import ChatConfig
+from app.server.chat_service import ChatConfig
 from tests.e2e.live_server import live_server
 from tests.server.fake_engine import FakeEngine
 
@@ -22,7 +23,8 @@ def ws_url(server):
 
 async def chat_once(url, **connect):
     async with websockets.connect(url, **connect) as ws:
-        await ws.send(json.dumps({"type": "chat", "id": "t", "conversation_id": "c",
+        conversation = uuid.uuid4().hex  # each socket here is a client of its own
+        await ws.send(json.dumps({"type": "chat", "id": "t", "conversation_id": conversation,
                                   "content": "hi"}))  # fmt: skip
         while True:
             frame = json.loads(await ws.recv())

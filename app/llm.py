@@ -1,9 +1,13 @@
 """LLM: the offline API. Give it prompts, get completions; the engine batches them.
 
-from app.engine.llm import LLM
-from app.engine.request import SamplingParams
-llm = LLM()
-print(llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))[0].text)
+    from app.llm import LLM
+    from app.engine.request import SamplingParams
+    llm = LLM()
+    print(llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))[0].text)
+
+It sits above the engine and beside the server, and builds chat prompts with the same
+ChatPrompt as /ws and /v1 (app.chat.prompt), so a conversation gives the same tokens
+whichever door it comes through.
 """
 
 from __future__ import annotations
@@ -11,13 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from app.chat.prompt import ChatPrompt, Message
 from app.config import EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
 from app.engine.request import FinishReason, SamplingParams, Timings
 from app.model.loader import LoadedModel
 
 Prompt = str | Sequence[int]
-Messages = list[dict[str, str]]
+Messages = Sequence[Message | dict[str, str]]
 
 
 @dataclass
@@ -46,14 +51,14 @@ class LLM:
             config = EngineConfig(model=ModelConfig(model=model))
         self.engine = LLMEngine(config, loaded)
         self.tokenizer = self.engine.tokenizer
+        self.prompt = ChatPrompt(self.tokenizer)
 
     def chat_prompt(self, messages: Messages) -> list[int]:
         """Token ids of a conversation through the model's chat template, ready for the
         assistant's reply."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        return self.prompt.render(
+            [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in messages]
         )
-        return list(ids)
 
     def generate(
         self,
@@ -91,6 +96,6 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Like generate(), for chat message lists."""
-        if conversations and isinstance(conversations[0], dict):
+        if conversations and isinstance(conversations[0], (dict, Message)):
             conversations = [conversations]  # type: ignore[list-item]
         return self.generate([self.chat_prompt(m) for m in conversations], params)  # type: ignore[arg-type]

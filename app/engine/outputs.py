@@ -1,0 +1,113 @@
+"""What the engine hands out: per-step outputs of a request, the frozen record of a
+finished one, counters, and what callers need to know about the model.
+
+Each is a snapshot: a caller (another thread, another process) may keep it as long as it
+likes; nothing in it changes when the engine moves on.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from app.engine.request import FinishReason, Request, Timings
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request. Text and token ids are deltas."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    timings: Timings
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """Fold a later output of the same request into this one (a slow reader gets
+        one bigger delta instead of a backlog)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            new_text=self.new_text + later.new_text,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            prompt_tokens=later.prompt_tokens,
+            cached_tokens=later.cached_tokens,
+            completion_tokens=later.completion_tokens,
+            timings=later.timings,
+        )
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """A finished request's figures, frozen when it ended (for metrics and tracing)."""
+
+    request_id: str
+    session_id: str | None
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+    timings: Timings  # a copy: the request's own keeps no link to it
+
+    @classmethod
+    def of(cls, req: Request) -> FinishedRequestStats:
+        assert req.finish_reason is not None, "only a finished request has final stats"
+        return cls(
+            request_id=req.request_id,
+            session_id=req.session_id,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+            num_preemptions=req.num_preemptions,
+            timings=copy.copy(req.timings),
+        )
+
+
+class EngineListener(Protocol):
+    """Told, on the engine's thread, about tokens and finished requests (metrics,
+    tracing). Listeners get ids and frozen records, never a live request."""
+
+    def on_tokens(self, request_id: str, num_tokens: int, gap_s: float | None) -> None:
+        """`num_tokens` new output tokens; `gap_s` since the previous ones, if any."""
+
+    def on_finished(self, stats: FinishedRequestStats) -> None:
+        """The request ended (any reason)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics, logs and benchmarks."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of blocks held
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    pin_hits: int
+    sessions_pinned: int
+    pinned_blocks: int
+    session_unpins: dict[str, int]
+    steps: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What callers of an engine need to know about the model it serves. The tokenizer
+    builds prompts on the caller's side (chat templates, token counts)."""
+
+    name: str
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase

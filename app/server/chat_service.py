@@ -1,0 +1,170 @@
+"""Conversations and their turns: between the /ws protocol and the engine.
+
+A turn checks that its conversation belongs to whoever asks, resolves the history (the
+client's `messages`, or what we remember plus the new `content`), builds the prompt with
+the conversation's own reply ids spliced in and, when it ends, remembers the reply for the
+next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+from app.chat.prompt import ChatPrompt, Message
+from app.chat.sessions import Conversation, ConversationStore
+from app.engine.errors import ContextTooLong
+from app.engine.outputs import RequestOutput
+from app.engine.protocol import EngineClient
+from app.server import protocol as p
+from app.server.security import Principal
+
+log = logging.getLogger("parley.chat")
+
+# Histories longer than this are rendered and tokenized on a worker thread, not on the
+# event loop where every other socket's tokens are sent.
+INLINE_RENDER_CHARS = 8192
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    max_turns_per_socket: int = 8
+    max_conversations: int = 10_000
+    max_connections: int = 256  # open /ws sockets; more are refused with "busy"
+    isolate_prefix_cache: bool = False  # True: tenants never share prefix-cache blocks
+
+
+@dataclass
+class Turn:
+    frame: p.ChatFrame
+    conversation: Conversation
+    messages: list[Message]  # the history this turn answers
+    principal: Principal
+    token: str  # unique to this turn: only it can clear its conversation's busy mark
+
+
+class ChatService:
+    """Conversations and their turns, over one engine."""
+
+    def __init__(self, engine: EngineClient, config: ChatConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ChatConfig()
+        info = engine.info
+        self.prompt = ChatPrompt(info.tokenizer)
+        self.store = ConversationStore(engine.release_session, self.config.max_conversations)
+        self.max_model_len = info.max_model_len
+        self.max_tokens_limit = info.max_model_len - 1
+        self.eos_token_ids = info.eos_token_ids
+        self.connections = 0  # open /ws sockets (event-loop only)
+
+    def cache_salt(self, principal: Principal) -> str | None:
+        return principal.tenant if self.config.isolate_prefix_cache else None
+
+    def _owned(self, principal: Principal, conv: Conversation, frame_id: str | None) -> None:
+        if conv.owner != principal.owner:
+            raise p.ProtocolError(
+                p.FORBIDDEN,
+                f"conversation {conv.id!r} belongs to another client: start a new "
+                "conversation id (send the whole history in 'messages' to carry it over)",
+                frame_id,
+            )
+
+    def begin_turn(self, frame: p.ChatFrame, principal: Principal) -> Turn:
+        """Check ownership, mark the conversation busy and resolve its history.
+        Raises ProtocolError."""
+        conv = self.store.find(principal.tenant, frame.conversation_id)
+        if conv is not None:
+            self._owned(principal, conv, frame.id)
+        conv = self.store.get(principal.tenant, frame.conversation_id, principal.owner)
+        if conv.turn is not None:
+            raise p.ProtocolError(
+                p.CONVERSATION_BUSY,
+                f"conversation {frame.conversation_id!r} already has a turn in flight",
+                frame.id,
+                retryable=True,
+            )
+        if frame.messages is not None:
+            messages = list(frame.messages)
+        else:
+            messages = [*conv.messages, Message("user", frame.content or "")]
+        if frame.system is not None and messages[0].role != "system":
+            messages.insert(0, Message("system", frame.system))
+        turn = Turn(frame, conv, messages, principal, uuid.uuid4().hex)
+        conv.turn = turn.token
+        return turn
+
+    async def prompt_ids(self, turn: Turn) -> list[int]:
+        """The turn's prompt through the chat template, the conversation's own reply ids
+        spliced in; large histories off the event loop. Raises ContextTooLong."""
+        replies = turn.conversation.replies if turn.frame.cache else None
+        size = sum(len(m.content) for m in turn.messages)
+        if size > INLINE_RENDER_CHARS:
+            ids = await asyncio.to_thread(self.prompt.render, turn.messages, replies)
+        else:
+            ids = self.prompt.render(turn.messages, replies)
+        if len(ids) >= self.max_model_len:
+            raise ContextTooLong(
+                f"the conversation is {len(ids)} tokens long; the context window is "
+                f"{self.max_model_len} tokens, and the reply needs at least one: shorten it "
+                "or start anew",
+                len(ids),
+                self.max_model_len,
+            )
+        return ids
+
+    def end_turn(self, turn: Turn, text: str | None, reply_ids: list[int] | None) -> None:
+        """A turn is over. With its reply text, the conversation grows by it; the reply's
+        ids are remembered if they decode to exactly that text."""
+        conv = turn.conversation
+        if conv.turn == turn.token:
+            conv.turn = None
+        if text is None:
+            return
+        conv.messages = [*turn.messages, Message("assistant", text)]
+        if reply_ids is None or not turn.frame.cache:
+            return
+        ids = list(reply_ids)
+        if ids and ids[-1] in self.eos_token_ids:
+            ids.pop()  # the template writes the end of turn itself
+        if self.prompt.tokenizer.decode(ids, skip_special_tokens=True) == text:
+            conv.remember_reply(text, ids)
+
+    def delete(self, principal: Principal, conversation_id: str) -> None:
+        """Forget a conversation and free its pinned K/V. Raises ProtocolError when it
+        belongs to someone else."""
+        conv = self.store.find(principal.tenant, conversation_id)
+        if conv is not None:
+            self._owned(principal, conv, None)
+            self.store.delete(conv)
+
+    @staticmethod
+    def usage(out: RequestOutput) -> p.Usage:
+        return p.Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+
+    @staticmethod
+    def timings(out: RequestOutput) -> p.Timings:
+        t = out.timings
+        ttft = None if t.first_token is None else (t.first_token - t.arrival) * 1000
+        queue = None if t.first_scheduled is None else (t.first_scheduled - t.arrival) * 1000
+        total = None if t.finished is None else (t.finished - t.arrival) * 1000
+        rate = None
+        if t.finished is not None and t.first_token is not None and out.completion_tokens > 1:
+            span = t.finished - t.first_token
+            rate = (out.completion_tokens - 1) / span if span > 0 else None
+        return p.Timings(ttft, rate, queue, total)
+
+    def log_turn(self, turn: Turn, out: RequestOutput, reason: str) -> None:
+        t = self.timings(out)
+        log.info(
+            "turn done: conversation=%s prompt=%d cached=%d completion=%d ttft=%s ms "
+            "tok/s=%s finish=%s",
+            turn.frame.conversation_id,
+            out.prompt_tokens,
+            out.cached_tokens,
+            out.completion_tokens,
+            "-" if t.ttft_ms is None else f"{t.ttft_ms:.0f}",
+            "-" if t.tokens_per_s is None else f"{t.tokens_per_s:.1f}",
+            reason,
+        )

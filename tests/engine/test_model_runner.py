@@ -1,0 +1,62 @@
+"""ModelRunner.prepare alone: a SchedulerOutput in, flat tensors and attention metadata
+out; no model runs."""
+
+import torch
+
+from app.config import CacheConfig
+from app.engine.kv_cache import KVCache
+from app.engine.model_runner import ModelRunner
+from app.engine.request import Request, SamplingParams
+from app.engine.sampler import Sampler
+from app.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tests.tiny import tiny_arch
+
+BS = 4
+
+
+def runner() -> ModelRunner:
+    arch = tiny_arch(100)
+    per_block = 2 * arch.num_layers * BS * arch.kv_size * 4
+    cache = KVCache(arch, CacheConfig(kv_cache_bytes=16 * per_block, block_size=BS))
+    return ModelRunner(model=None, kv_cache=cache, sampler=Sampler())  # type: ignore[arg-type]
+
+
+def scheduled(rid, tokens, start, n, blocks) -> ScheduledRequest:
+    req = Request(rid, tokens, SamplingParams(), 4)
+    return ScheduledRequest(req, start, n, start + n == len(tokens), blocks)
+
+
+def test_decodes_come_first_and_only_sampling_rows_get_logits():
+    decode = scheduled("d", list(range(10)), 9, 1, [3, 5, 7])  # 10th token, third block
+    fresh = scheduled("f", list(range(6)), 0, 6, [1, 2])  # a whole prompt: samples
+    part = scheduled("p", list(range(20)), 0, 8, [4, 6, 8, 9, 10])  # a chunk: does not
+    inp = runner().prepare(SchedulerOutput([fresh, decode, part]))
+    assert inp.meta.num_decodes == 1
+    assert inp.input_ids.tolist() == [9, *range(6), *range(8)]
+    assert inp.positions.tolist() == [9, *range(6), *range(8)]
+    # slot = block * block_size + offset
+    assert inp.meta.slot_mapping.tolist() == [7 * BS + 1, 4, 5, 6, 7, 8, 9, 16, 17, 18, 19, 24,
+                                              25, 26, 27]  # fmt: skip
+    assert inp.logits_indices.tolist() == [0, 6]  # the decode, the end of the fresh prompt
+    assert [r.request_id for r in inp.sampling_requests] == ["d", "f"]
+    mask = inp.meta.decode_mask
+    assert mask.shape[-1] == 3 * BS and mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
+
+
+def test_a_chunk_after_a_cached_prefix_attends_through_its_block_table():
+    chunk = scheduled("c", list(range(12)), 8, 4, [2, 3, 4])
+    inp = runner().prepare(SchedulerOutput([chunk]))
+    (p,) = inp.meta.prefills
+    assert p.block_table.tolist() == [2, 3, 4] and p.context_len == 12
+    # Bottom-right causal: query i (position 8 + i) sees positions 0 .. 8 + i.
+    expected = torch.arange(12)[None, :] <= torch.arange(8, 12)[:, None]
+    assert torch.equal(p.mask, expected)
+    assert inp.logits_indices.tolist() == [3]
+
+
+def test_a_one_token_chunk_short_of_the_end_is_a_prefill_without_logits():
+    edge = scheduled("e", list(range(10)), 8, 1, [1, 2, 3])
+    assert not edge.is_decode
+    inp = runner().prepare(SchedulerOutput([edge]))
+    assert inp.meta.num_decodes == 0 and len(inp.meta.prefills) == 1
+    assert inp.logits_indices.numel() == 0 and inp.sampling_requests == []
