@@ -186,6 +186,7 @@ def record_key(namespace: str, conversation_key: str, turn_id: str) -> str:
 class _Write:
     entry: JournalEntry
     commands: list[tuple[Any, ...]]
+    frames: int  # token frames it records
     done: asyncio.Future[bool] = field(repr=False)
 
 
@@ -377,7 +378,7 @@ class Journal:
         item: dict[str, Any] = {"s": seq, "t": text, "i": token_ids}
         if start is not None:
             item["start"] = list(start)
-        return await self._write(entry, [("RPUSH", entry.record_key, _dump(item))])
+        return await self._write(entry, [("RPUSH", entry.record_key, _dump(item))], frames=1)
 
     async def finish(
         self, entry: JournalEntry, terminal: str | None, ok: bool, token_ids: list[int]
@@ -400,13 +401,15 @@ class Journal:
         """Leave a turn pending (shutdown): the next process resumes it."""
         self._live.pop(entry.entry_id, None)
 
-    async def _write(self, entry: JournalEntry, commands: list[tuple[Any, ...]]) -> bool:
+    async def _write(
+        self, entry: JournalEntry, commands: list[tuple[Any, ...]], frames: int = 0
+    ) -> bool:
         if not entry.durable:
             return False
         if not self.up:
             entry.durable = False
             return False
-        write = _Write(entry, commands, asyncio.get_running_loop().create_future())
+        write = _Write(entry, commands, frames, asyncio.get_running_loop().create_future())
         self._queue.append(write)
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._flush())
@@ -432,7 +435,7 @@ class Journal:
                     self._set_up(False, exc)
                 self._flush_seconds += time.perf_counter() - began
                 self._counts["flushes"] += 1
-                self._counts["writes"] += len(batch) if ok else 0
+                self._counts["writes"] += sum(w.frames for w in batch) if ok else 0
                 for write in batch:
                     if not ok:
                         write.entry.durable = False
