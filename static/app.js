@@ -10,7 +10,7 @@ import { Store, uid } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const store = new Store();
-const inflight = new Map(); // conversation id -> { turnId, message }
+const inflight = new Map(); // conversation id -> { turnId, message, lastSeq }
 let renderQueued = false;
 
 const wsUrl = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`;
@@ -210,18 +210,24 @@ function startTurn(conversation) {
     params: { temperature: Number(s.temperature), top_p: Number(s.top_p), max_tokens: Number(s.max_tokens) },
   };
   if (s.system.trim()) frame.system = s.system.trim();
-  inflight.set(conversation.id, { turnId, message: reply });
-  const sent = connection.send(frame, (f) => onTurnFrame(conversation, reply, f));
-  if (!sent) onTurnFrame(conversation, reply, { type: "error", message: "not connected: try again in a moment" });
+  const turn = { turnId, message: reply, lastSeq: -1 };
+  inflight.set(conversation.id, turn);
+  // After a reconnect, ask for every token after the last one shown.
+  const resume = () => ({ type: "resume", id: turnId, conversation_id: conversation.id, after_seq: turn.lastSeq });
+  const sent = connection.send(frame, (f) => onTurnFrame(conversation, turn, f), resume);
+  if (!sent) onTurnFrame(conversation, turn, { type: "error", message: "not connected: try again in a moment" });
   store.save();
   renderAll();
 }
 
-function onTurnFrame(conversation, reply, frame) {
+function onTurnFrame(conversation, turn, frame) {
+  const reply = turn.message;
   if (frame.type === "start") {
     reply.prompt_tokens = frame.prompt_tokens;
     reply.cached_tokens = frame.cached_tokens;
   } else if (frame.type === "token") {
+    if (frame.seq <= turn.lastSeq) return; // sent again after a resume: shown already
+    turn.lastSeq = frame.seq;
     reply.content += frame.text;
     saveSoon();
   } else if (frame.type === "done" || frame.type === "error") {

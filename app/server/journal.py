@@ -237,8 +237,10 @@ class Journal:
                 mine = await self._heartbeat([self.stream], [GROUP, self.config.consumer, *ids])
                 kept = {_text(i) for i in mine}
                 for lost in set(ids) - kept:
-                    log.warning("journal: turn entry %s was taken over by another process", lost)
-                    self._live.pop(lost).durable = False
+                    entry = self._live.pop(lost, None)  # None: it finished meanwhile
+                    if entry is not None:
+                        log.warning("journal: turn %s was taken over by another process", lost)
+                        entry.durable = False
             await self._trim([self.stream], [GROUP, self.config.max_turns])
             return await self._claim_stale()
         except RedisError as exc:

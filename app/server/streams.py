@@ -142,6 +142,11 @@ class TurnStream:
         while self._sink is not None and self._cursor < self.next_seq:
             await self._wait()
 
+    async def ended(self) -> None:
+        """Wait until the turn is over."""
+        while not self.finished:
+            await self._wait()
+
     def finish(self, terminal: str | None) -> None:
         """The turn is over; `terminal` is its done or error frame (None: it ends without
         one, e.g. a journaled turn at shutdown, which the next process resumes)."""

@@ -20,6 +20,7 @@ frequency penalties no longer count the output before the cut (it is now prompt)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import uuid
@@ -36,6 +37,8 @@ from app.server.security import Principal
 from app.server.streams import Sink, Streams, TurnStream
 
 log = logging.getLogger(__name__)
+
+SUPERSEDE_TIMEOUT_S = 10.0  # a cancelled turn ends within an engine step; this is a backstop
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,17 @@ class TurnRunner:
 
     # -- what sockets ask -----------------------------------------------------------------
 
-    def start(self, frame: p.ChatFrame, principal: Principal, sink: Sink) -> TurnStream:
+    async def start(self, frame: p.ChatFrame, principal: Principal, sink: Sink) -> TurnStream:
         """Begin a client's turn, streaming to `sink`. Raises ProtocolError."""
+        left = self.streams.get(conversation_key(principal.tenant, frame.conversation_id))
+        detached = left is not None and not left.finished and left.sink is None
+        if detached and left.owner == principal.owner:
+            # The client moved on (a reload, a lost page): its new turn supersedes the one
+            # it left behind, which is cancelled as if its grace period had ended.
+            left.cancel()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SUPERSEDE_TIMEOUT_S):
+                    await left.ended()
         turn = self.chat.begin_turn(frame, principal)  # raises: busy, forbidden
         stream = self.streams.open(
             turn.conversation.key, frame.id, frame.conversation_id, principal.owner, sink

@@ -98,11 +98,11 @@ class ChatSocket:
             self.runner.cancel_conversation(self.principal, frame.conversation_id)
             await self.send(p.deleted_frame(frame.conversation_id))
         elif isinstance(frame, p.ChatFrame):
-            self._start_turn(frame)
+            await self._start_turn(frame)
         elif isinstance(frame, p.ResumeFrame):
             await self._resume(frame)
 
-    def _start_turn(self, frame: p.ChatFrame) -> None:
+    async def _start_turn(self, frame: p.ChatFrame) -> None:
         if frame.id in self.turns:
             raise p.ProtocolError(
                 p.DUPLICATE_ID, f"turn {frame.id!r} is already in flight", frame.id
@@ -114,7 +114,7 @@ class ChatSocket:
                 frame.id,
                 retryable=True,
             )
-        self.turns[frame.id] = self.runner.start(frame, self.principal, self)
+        self.turns[frame.id] = await self.runner.start(frame, self.principal, self)
 
     async def _resume(self, frame: p.ResumeFrame) -> None:
         here = self.turns.get(frame.id)

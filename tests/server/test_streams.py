@@ -210,3 +210,20 @@ def test_a_storm_of_dropped_sockets_loses_no_turn(client, fake):
     metrics = client.get("/metrics").text
     assert "parley:turn_resumes_total 50.0" in metrics
     assert "parley:turns_detached 0.0" in metrics
+
+
+def test_a_new_turn_supersedes_the_one_its_client_left_behind(client, fake):
+    fake.reply = " ".join(f"w{i}" for i in range(2000))
+    with client.websocket_connect("/ws") as ws:
+        ws.send_json(chat("t1"))
+        first_tokens(ws, 1)
+        with client.websocket_connect("/ws") as other:  # still attached: the turn is busy
+            other.send_json(chat("t2", content="again"))
+            assert until_terminal(other, ["t2"])["t2"][0]["code"] == "conversation_busy"
+    with client.websocket_connect("/ws") as ws:  # detached now: the new turn replaces it
+        fake.reply = "fresh"
+        ws.send_json(chat("t2", content="again"))
+        assert text_of(until_terminal(ws, ["t2"])["t2"]) == "fresh"
+        ws.send_json(resume("t1"))
+        assert ws.receive_json()["code"] == "expired"
+    assert len(fake.aborted) == 1
