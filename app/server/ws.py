@@ -139,6 +139,7 @@ class ChatSocket:
                 turn.conversation.key if frame.cache else None,
                 use_prefix_cache=frame.cache,  # False: every turn computes its whole prompt
                 cache_salt=self.chat.cache_salt(self.principal),
+                routing_key=turn.conversation.key,
             )
             seq = 0
             async for out in stream:
