@@ -104,6 +104,11 @@ FLAGS: list[tuple[str, dict]] = [
         ),
     ),
     ("--threads", dict(type=int, default=None, help="torch threads (default: cores)")),
+    (
+        "--replicas",
+        dict(type=int, default=1, help="engine replicas on Ray (1: no Ray, one engine here)"),
+    ),
+    ("--ray-address", dict(default=None, help="join this Ray cluster (default: start one)")),
     ("--log-level", dict(default="info")),
     ("--prompt", dict(help="print the reply to this user message and exit (no server)")),
     ("--system", dict(help="a system prompt for --prompt")),
@@ -153,6 +158,7 @@ def server_config(args: argparse.Namespace):
     import socket
     from pathlib import Path
 
+    from app.config import ClusterConfig
     from app.server.app import ServerConfig
     from app.server.chat_service import ChatConfig
     from app.server.journal import JournalConfig
@@ -185,6 +191,11 @@ def server_config(args: argparse.Namespace):
         api_keys=keys,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         secret=persistent_secret(ModelConfig().cache_dir),
+        cluster=ClusterConfig(
+            replicas=args.replicas,
+            ray_address=args.ray_address,
+            threads_per_replica=args.threads if args.replicas > 1 else None,
+        ),
         streams=StreamsConfig(grace_s=args.resume_grace),
         journal=journal,
     )

@@ -139,3 +139,21 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # None: one per CPU core
     debug_checks: bool = False  # check_integrity() after every step
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Engine replicas on Ray (app.cluster). One replica: no Ray, the engine runs here."""
+
+    replicas: int = 1
+    ray_address: str | None = None  # None: start a local Ray; else join this cluster
+    threads_per_replica: int | None = None  # None: this machine's cores / replicas
+    rebalance_threshold: int = 4  # a conversation leaves its replica past this extra load
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        if self.threads_per_replica is not None and self.threads_per_replica < 1:
+            raise ValueError("threads_per_replica must be at least 1")
+        if self.rebalance_threshold < 0:
+            raise ValueError("rebalance_threshold must be >= 0")

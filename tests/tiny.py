@@ -67,7 +67,14 @@ def tiny_loaded(tokenizer, seed: int = 0, **arch_overrides) -> LoadedModel:
 QUANTIZATION = "none"
 
 
-def tiny_engine(
+def tiny_engine(tokenizer, **kw) -> LLMEngine:
+    """An engine on a tiny model with a KV cache of exactly `num_blocks` blocks
+    (the null block included) and integrity checks after every step. Keywords: those of
+    tiny_parts."""
+    return LLMEngine(*tiny_parts(tokenizer, **kw))
+
+
+def tiny_parts(
     tokenizer,
     *,
     num_blocks: int = 256,
@@ -81,9 +88,9 @@ def tiny_engine(
     request_timeout_s: float | None = None,
     max_waiting: int = 256,
     **arch_overrides,
-) -> LLMEngine:
-    """An engine on a tiny model with a KV cache of exactly `num_blocks` blocks
-    (the null block included) and integrity checks after every step."""
+) -> tuple[EngineConfig, LoadedModel]:
+    """The config and weights of a tiny engine (for engines built elsewhere, e.g. in a
+    Ray actor)."""
     loaded = tiny_loaded(tokenizer, seed, **arch_overrides)
     arch = loaded.arch
     per_block = 2 * arch.num_layers * block_size * arch.kv_size * getattr(torch, dtype).itemsize
@@ -103,4 +110,4 @@ def tiny_engine(
         ),
         debug_checks=True,
     )
-    return LLMEngine(config, loaded)
+    return config, loaded

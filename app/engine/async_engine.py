@@ -96,6 +96,7 @@ class AsyncEngine:
         session_id: str | None = None,
         use_prefix_cache: bool = True,
         cache_salt: str | None = None,
+        routing_key: str | None = None,  # one engine: every request is at home here
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Leaving the loop early (break,
         cancellation, an exception in the consumer) aborts the request.

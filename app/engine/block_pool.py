@@ -109,6 +109,13 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (new weights, or a benchmark that must compute every
+        prompt): cached content is no longer findable."""
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
     def check_integrity(self, holders: Counter[int] | None = None) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent.
 

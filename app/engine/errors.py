@@ -16,6 +16,9 @@ class BadParameter(ValueError):
         super().__init__(message)
         self.name = name
 
+    def __reduce__(self):  # pickled across processes (engine replicas) with its fields
+        return type(self), (str(self), self.name)
+
 
 class ContextTooLong(BadParameter):
     """The prompt does not fit the context window (or the whole KV cache) with room for
@@ -26,6 +29,9 @@ class ContextTooLong(BadParameter):
         self.num_tokens = num_tokens
         self.limit = limit
 
+    def __reduce__(self):
+        return type(self), (str(self), self.num_tokens, self.limit)
+
 
 class Overloaded(RuntimeError):
     """More requests are in flight than the engine will queue: retry later."""
@@ -33,6 +39,9 @@ class Overloaded(RuntimeError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after_s)
 
 
 class EngineDead(RuntimeError):

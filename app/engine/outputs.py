@@ -8,7 +8,7 @@ likes; nothing in it changes when the engine moves on.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.engine.request import FinishReason, Request, Timings
@@ -84,6 +84,18 @@ class EngineListener(Protocol):
 
 
 @dataclass(frozen=True)
+class ReplicaStats:
+    """One engine replica, as its front sees it (several replicas: app.cluster)."""
+
+    name: str
+    live: bool
+    in_flight: int  # requests the front has sent it and not yet seen end
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot for metrics, logs and benchmarks."""
 
@@ -100,6 +112,8 @@ class EngineStats:
     pinned_blocks: int
     session_unpins: dict[str, int]
     steps: int
+    replicas: tuple[ReplicaStats, ...] = ()  # empty for one engine in this process
+    routing: dict[str, int] = field(default_factory=dict)  # decisions by kind (affine, ...)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class EngineClient(Protocol):
         session_id: str | None = None,
         use_prefix_cache: bool = True,
         cache_salt: str | None = None,
+        routing_key: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; leaving early aborts it.
 
@@ -49,6 +50,8 @@ class EngineClient(Protocol):
         when the queue is full, EngineDead when nothing can serve it. A `session_id` keeps
         the request's K/V pinned for the session's next turn; `cache_salt` keeps its
         prefix-cache entries apart from other salts' (one tenant cannot find another's).
+        `routing_key` tells an engine of several replicas which requests belong together
+        (an API client's `user`): they go where their K/V is. One engine ignores it.
         """
         ...
 

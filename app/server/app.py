@@ -23,7 +23,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from app.config import EngineConfig
+from app.config import ClusterConfig, EngineConfig
 from app.engine.protocol import EngineClient
 from app.server import openai_api
 from app.server.chat_service import ChatConfig, ChatService
@@ -69,6 +69,7 @@ class ServerConfig:
     secret: bytes | None = None  # signs cookies; None: a new one per process
     streams: StreamsConfig = field(default_factory=StreamsConfig)  # resumable turns
     journal: JournalConfig | None = None  # durable turns on Redis Streams
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas > 1: on Ray
 
     def access(self) -> Access:
         if self.api_key and self.api_keys:
@@ -153,7 +154,9 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         eng = engine
         if eng is None:
-            eng = await asyncio.to_thread(_build_engine, engine_config or EngineConfig())
+            eng = await asyncio.to_thread(
+                _build_engine, engine_config or EngineConfig(), server_config.cluster
+            )
         metrics = Metrics(eng)
         extra = list(listeners or [])
         if server_config.otlp_endpoint:
@@ -221,7 +224,17 @@ async def _keep_journal(journal: Journal, runner: TurnRunner) -> None:
             log.exception("journal upkeep failed; trying again")
 
 
-def _build_engine(config: EngineConfig) -> EngineClient:
+def _build_engine(config: EngineConfig, cluster: ClusterConfig) -> EngineClient:
+    if cluster.replicas > 1:  # Ray is imported here and only here
+        try:
+            from app.cluster.cluster import RayCluster
+        except ModuleNotFoundError as exc:
+            if exc.name != "ray":
+                raise
+            raise RuntimeError(
+                "--replicas > 1 runs engine replicas on Ray: pip install 'parley[cluster]'"
+            ) from None
+        return RayCluster(config, cluster)
     from app.engine.async_engine import AsyncEngine
     from app.engine.engine import LLMEngine
 

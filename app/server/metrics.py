@@ -135,6 +135,34 @@ class _EngineCollector(Collector):
         for reason in ("pressure", "ttl", "released"):
             unpins.add_metric([reason], s.session_unpins.get(reason, 0))
         yield unpins
+        if s.replicas:  # engine replicas (app.cluster): load each, and routing decisions
+            live = GaugeMetricFamily(P + "replica_up", "Replica answering (1) or not (0).",
+                                     labels=["replica"])  # fmt: skip
+            load = GaugeMetricFamily(
+                P + "replica_requests_in_flight",
+                "Requests routed to a replica and not yet finished.",
+                labels=["replica"],
+            )
+            running = GaugeMetricFamily(
+                P + "replica_num_requests_running", "Requests in a replica's batch.",
+                labels=["replica"],
+            )  # fmt: skip
+            for r in s.replicas:
+                live.add_metric([r.name], float(r.live))
+                load.add_metric([r.name], r.in_flight)
+                running.add_metric([r.name], r.num_running)
+            yield live
+            yield load
+            yield running
+            routing = CounterMetricFamily(
+                P + "routing_decisions",
+                "Requests routed, by decision: affine (to its K/V's replica), rebalanced "
+                "(its replica was too busy or gone), balanced (no key: least loaded).",
+                labels=["decision"],
+            )
+            for decision in ("affine", "rebalanced", "balanced"):
+                routing.add_metric([decision], s.routing.get(decision, 0))
+            yield routing
 
 
 class ResumeCollector(Collector):

@@ -174,11 +174,15 @@ class OpenAIAPI:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise bad("'stream_options' must be an object", "stream_options")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise bad("'user' must be a string", "user")
         outputs = self.engine.generate(
             prompt,
             params,
             "api-" + uuid.uuid4().hex,
             cache_salt=self.cache_salt(request.user),
+            routing_key=f"user:{user}" if user else None,  # several replicas: its K/V's home
         )
         kind = "chat.completion" if chat else "text_completion"
         meta = {

@@ -227,6 +227,7 @@ class TurnRunner:
                 turn.conversation.key if frame.cache else None,
                 use_prefix_cache=frame.cache,  # False: every turn computes its whole prompt
                 cache_salt=salt,
+                routing_key=turn.conversation.key,  # replicas: where the conversation's K/V is
             )
             async for out in outputs:
                 last = out

@@ -74,6 +74,7 @@ class FakeEngine:
         session_id=None,
         use_prefix_cache=True,
         cache_salt=None,
+        routing_key=None,
     ):
         if not self.running:
             raise EngineDead("the engine is not running")

@@ -1,0 +1,315 @@
+"""RayCluster: N engine replicas as Ray actors, behind the EngineClient surface.
+
+The front (this process: the page, /ws, /v1, /metrics) routes each request to a replica
+(router.py: a conversation sticks to the replica holding its K/V unless that one is
+loaded past a threshold) and streams its outputs back through Ray's streaming
+generators. A cancel, or a client that leaves, reaches the replica as an abort within one
+engine step.
+
+A replica that dies mid-stream: the request is resubmitted to a live replica as its
+prompt plus the tokens already sent, and the stream goes on where it was (the prefix
+cache, or the shared KV tier, makes the recompute cheap); the client sees one continuous
+reply. Ray restarts the dead actor (it loads the model again); until it answers, the
+router leaves it out. With no live replica a request fails with EngineDead (retryable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from app.cluster.replica import Replica
+from app.cluster.router import Router
+from app.config import ClusterConfig, EngineConfig
+from app.engine.errors import EngineDead
+from app.engine.outputs import (
+    EngineListener,
+    EngineStats,
+    FinishedRequestStats,
+    ModelInfo,
+    ReplicaStats,
+    RequestOutput,
+)
+from app.engine.request import SamplingParams
+from app.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+MONITOR_INTERVAL_S = 1.0
+PING_TIMEOUT_S = 5.0
+ROUTING_PREFIX_TOKENS = 64  # a request without a key is routed by its prompt's start
+INLINE_PROMPT_CHARS = 8192
+
+
+class RayCluster:
+    """Engine replicas on Ray with conversation affinity (an EngineClient)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        cluster: ClusterConfig,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(
+                address=cluster.ray_address,
+                num_cpus=None if cluster.ray_address else os.cpu_count(),
+                include_dashboard=False,
+                configure_logging=False,
+                log_to_driver=True,
+            )
+        n = cluster.replicas
+        threads = cluster.threads_per_replica or max(1, (os.cpu_count() or 1) // n)
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < n * threads:
+            raise ValueError(
+                f"{n} replicas of {threads} threads need {n * threads} CPUs; the Ray "
+                f"cluster has {cpus:g}"
+            )
+        actor = ray.remote(Replica).options(
+            num_cpus=threads, max_restarts=-1, max_task_retries=0, max_concurrency=1000
+        )
+        per_replica = dataclasses.replace(config, num_threads=threads)
+        # Held for as long as the cluster lives: Ray restarts a dead replica from them.
+        self._replica_args = (ray.put(per_replica), ray.put(loaded))
+        self.replicas = [actor.remote(*self._replica_args) for _ in range(n)]
+        self._info: ModelInfo = ray.get(self.replicas[0].info.remote())
+        ray.get([r.healthy.remote() for r in self.replicas])
+        self.router = Router(cluster.rebalance_threshold)
+        self.live: set[int] = set(range(n))
+        self.in_flight = dict.fromkeys(range(n), 0)
+        self._stats: dict[int, EngineStats] = {}
+        self._where: dict[str, int] = {}  # request id -> the replica serving it
+        self._listeners: list[EngineListener] = []
+        self._monitor: asyncio.Task[None] | None = None
+        self._stopping = False
+        log.info("%d engine replicas on Ray, %d threads each", n, threads)
+
+    # -- EngineClient ----------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def start(self) -> None:
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        for replica in self.replicas:
+            ray.kill(replica, no_restart=True)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def healthy(self) -> bool:
+        return bool(self.live) and not self._stopping
+
+    def add_listener(self, listener: EngineListener) -> None:
+        self._listeners.append(listener)
+
+    def abort(self, request_id: str) -> None:
+        replica = self._where.get(request_id)
+        if replica is not None:
+            self.replicas[replica].abort.remote(request_id)
+
+    def release_session(self, session_id: str) -> None:
+        for replica in self.live:  # it may have pins on any replica it ever visited
+            self.replicas[replica].release_session.remote(session_id)
+        self.router.forget(session_id)
+
+    def stats(self) -> EngineStats:
+        known = [self._stats[i] for i in sorted(self._stats)]
+        total = lambda name: sum(getattr(s, name) for s in known)  # noqa: E731
+        unpins: dict[str, int] = {}
+        for s in known:
+            for reason, count in s.session_unpins.items():
+                unpins[reason] = unpins.get(reason, 0) + count
+        blocks = total("num_blocks")
+        return EngineStats(
+            num_running=total("num_running"),
+            num_waiting=total("num_waiting"),
+            kv_usage=(blocks - total("num_free_blocks")) / blocks if blocks else 0.0,
+            num_free_blocks=total("num_free_blocks"),
+            num_blocks=blocks,
+            num_preemptions=total("num_preemptions"),
+            prefix_queries=total("prefix_queries"),
+            prefix_hits=total("prefix_hits"),
+            pin_hits=total("pin_hits"),
+            sessions_pinned=total("sessions_pinned"),
+            pinned_blocks=total("pinned_blocks"),
+            session_unpins=unpins,
+            steps=total("steps"),
+            replicas=tuple(self._replica_stats(i) for i in range(len(self.replicas))),
+            routing=dict(self.router.decisions),
+        )
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        session_id: str | None = None,
+        use_prefix_cache: bool = True,
+        cache_salt: str | None = None,
+        routing_key: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.healthy():
+            raise EngineDead("no engine replica is running; retry shortly")
+        ids = await self._token_ids(prompt)
+        key = session_id or routing_key or _prefix_key(ids, cache_salt)
+        sent: list[int] = []  # output token ids already passed on
+        first: RequestOutput | None = None
+        tried = 0
+        last_token_at: float | None = None
+        while True:
+            loads = {i: self.in_flight[i] for i in self.live}
+            if not loads:
+                raise EngineDead("no engine replica is running; retry shortly")
+            replica, _ = self.router.pick(key, loads)
+            done = len(sent)  # tokens this attempt's prompt carries: its outputs come after
+            left = None if params.max_tokens is None else params.max_tokens - done
+            resumed = dataclasses.replace(params, max_tokens=left) if done else params
+            self.in_flight[replica] += 1
+            self._where[request_id] = replica
+            finished = False
+            try:
+                stream = (
+                    self.replicas[replica]
+                    .generate.options(num_returns="streaming")
+                    .remote(
+                        ids + sent, resumed, request_id, session_id, use_prefix_cache, cache_salt
+                    )
+                )
+                async for ref in stream:
+                    item = await ref
+                    if isinstance(item, FinishedRequestStats):
+                        self._tell_finished(item, len(ids), first, done)
+                        continue
+                    out = _continued(item, len(ids), first, done)
+                    first = first or out
+                    sent += item.new_token_ids
+                    now = time.monotonic()
+                    if item.new_token_ids:
+                        gap = None if last_token_at is None else now - last_token_at
+                        last_token_at = now
+                        for listener in self._listeners:
+                            listener.on_tokens(request_id, len(item.new_token_ids), gap)
+                    finished = out.finished
+                    yield out
+                return
+            except RayTaskError as exc:  # the replica refused it (bad input, overloaded)
+                cause = exc.cause
+                raise (cause if isinstance(cause, Exception) else exc) from None
+            except REPLICA_GONE:
+                tried += 1
+                self.live.discard(replica)
+                log.warning(
+                    "replica %d died serving %s; resuming it elsewhere after %d tokens",
+                    replica, request_id, len(sent),
+                )  # fmt: skip
+                if tried > len(self.replicas):
+                    raise EngineDead("engine replicas keep failing; retry shortly") from None
+            finally:
+                self.in_flight[replica] -= 1
+                if not finished and replica in self.live:
+                    # Left early (a cancel, a client gone): stop the work where it runs.
+                    with contextlib.suppress(Exception):
+                        self.replicas[replica].abort.remote(request_id)
+                if self._where.get(request_id) == replica:
+                    del self._where[request_id]
+
+    # -- inside ------------------------------------------------------------------------------
+
+    async def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids on the front's side: a request resumed on another replica needs
+        them, and routing by a prompt's start does too."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        encode = self._info.tokenizer.encode
+        if len(prompt) > INLINE_PROMPT_CHARS:
+            return await asyncio.to_thread(encode, prompt, add_special_tokens=False)
+        return encode(prompt, add_special_tokens=False)
+
+    def _tell_finished(
+        self, stats: FinishedRequestStats, num_prompt: int, first: RequestOutput | None, done: int
+    ) -> None:
+        if done and first is not None:  # resumed: the request as the client saw it
+            stats = dataclasses.replace(
+                stats,
+                num_prompt_tokens=num_prompt,
+                num_cached_tokens=first.cached_tokens,
+                num_output_tokens=stats.num_output_tokens + done,
+            )
+        for listener in self._listeners:
+            listener.on_finished(stats)
+
+    def _replica_stats(self, i: int) -> ReplicaStats:
+        s = self._stats.get(i)
+        return ReplicaStats(
+            name=str(i),
+            live=i in self.live,
+            in_flight=self.in_flight[i],
+            num_running=s.num_running if s else 0,
+            num_waiting=s.num_waiting if s else 0,
+            kv_usage=s.kv_usage if s else 0.0,
+        )
+
+    async def _watch(self) -> None:
+        """Ping every replica: who is live (a restarted actor comes back), and their
+        counters for /metrics."""
+        while True:
+            for i, replica in enumerate(self.replicas):
+                try:
+                    stats = await asyncio.wait_for(_await(replica.stats.remote()), PING_TIMEOUT_S)
+                except (TimeoutError, *REPLICA_GONE):
+                    if i in self.live:
+                        log.warning("engine replica %d is not answering", i)
+                    self.live.discard(i)
+                    continue
+                if i not in self.live:
+                    log.info("engine replica %d is live", i)
+                self.live.add(i)
+                self._stats[i] = stats
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+def _prefix_key(ids: list[int], salt: str | None) -> str:
+    """Requests that start alike go alike: their shared prefix is cached there."""
+    h = hashlib.blake2b(repr((salt, ids[:ROUTING_PREFIX_TOKENS])).encode(), digest_size=12)
+    return "prefix:" + h.hexdigest()
+
+
+def _continued(
+    out: RequestOutput, num_prompt: int, first: RequestOutput | None, done: int
+) -> RequestOutput:
+    """A resumed request's output as the client's request: its prompt was the client's
+    prompt plus the `done` tokens already sent."""
+    if not done:
+        return out
+    return dataclasses.replace(
+        out,
+        prompt_tokens=num_prompt,
+        cached_tokens=first.cached_tokens if first else out.cached_tokens,
+        completion_tokens=out.completion_tokens + done,
+    )

@@ -1,0 +1,75 @@
+"""One engine replica: an AsyncEngine in a Ray actor process of its own.
+
+The actor streams a request's outputs as a Ray streaming generator, then the request's
+frozen stats, so that the front's metrics and tracing see what an in-process engine
+would tell them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+
+from app.config import EngineConfig
+from app.engine.async_engine import AsyncEngine
+from app.engine.engine import LLMEngine
+from app.engine.outputs import EngineStats, FinishedRequestStats, ModelInfo, RequestOutput
+from app.engine.request import SamplingParams
+from app.model.loader import LoadedModel
+
+
+class Replica:
+    """The actor's body (wrapped by ray.remote in cluster.py)."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.engine = AsyncEngine(LLMEngine(config, loaded))
+        self._finished: dict[str, FinishedRequestStats] = {}
+        self.engine.add_listener(self)
+        self.engine.start()
+
+    # EngineListener, on the engine's thread: keep each request's final stats for its stream.
+    def on_tokens(self, request_id: str, num_tokens: int, gap_s: float | None) -> None:
+        pass
+
+    def on_finished(self, stats: FinishedRequestStats) -> None:
+        self._finished[stats.request_id] = stats
+
+    def info(self) -> ModelInfo:
+        return self.engine.info
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def healthy(self) -> bool:
+        return self.engine.healthy()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        session_id: str | None,
+        use_prefix_cache: bool,
+        cache_salt: str | None,
+    ) -> AsyncIterator[RequestOutput | FinishedRequestStats]:
+        try:
+            async for out in self.engine.generate(
+                prompt, params, request_id, session_id, use_prefix_cache, cache_salt
+            ):
+                yield out
+        finally:
+            stats = self._finished.pop(request_id, None)
+        if stats is not None:
+            yield stats
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def release_session(self, session_id: str) -> None:
+        self.engine.release_session(session_id)
+
+    async def stop(self) -> None:
+        await self.engine.stop()

@@ -1,0 +1,128 @@
+"""Engine replicas on a real local Ray cluster behind the chat server: affinity, spread,
+cancel across the actor boundary, a replica killed mid-stream, and no Ray at all with
+one replica. Two replicas of the tiny model, one thread each."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+ray = pytest.importorskip("ray")
+
+from app.cluster.cluster import RayCluster  # noqa: E402
+from app.config import ClusterConfig  # noqa: E402
+from app.server.app import create_app  # noqa: E402
+from tests.server.test_ws_fake import text_of, until_terminal  # noqa: E402
+from tests.tiny import tiny_parts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster(tokenizer):
+    config, loaded = tiny_parts(tokenizer, num_blocks=512)
+    c = RayCluster(config, ClusterConfig(replicas=2, threads_per_replica=1), loaded)
+    with TestClient(create_app(engine=c)) as client:
+        yield c, client
+    assert not ray.is_initialized()  # stop() shut the cluster it started
+
+
+def say(ws, turn, conversation, text, max_tokens=12, **params):
+    ws.send_json({"type": "chat", "id": turn, "conversation_id": conversation, "content": text,
+                  "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
+                             **params}})  # fmt: skip
+    return until_terminal(ws, [turn])[turn]
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.05)
+
+
+def test_a_conversation_stays_on_its_replica_and_reuses_its_kv(cluster):
+    c, client = cluster
+    before = dict(c.router.decisions)
+    with client.websocket_connect("/ws") as ws:
+        homes = set()
+        for t in range(4):
+            frames = say(ws, f"t{t}", "affine-conv", f"Question number {t}?")
+            assert frames[-1]["type"] == "done"
+            if t:
+                assert frames[0]["cached_tokens"] > 0  # the previous turns' K/V, kept
+            homes.add(c.router._homes[next(k for k in c.router._homes if "affine-conv" in k)])
+    assert len(homes) == 1
+    assert c.router.decisions["affine"] - before.get("affine", 0) == 4
+
+
+def test_many_conversations_use_every_replica(cluster):
+    c, client = cluster
+    with client.websocket_connect("/ws") as ws:
+        for i in range(8):
+            assert say(ws, f"s{i}", f"spread-{i}", "Hello!", 4)[-1]["type"] == "done"
+    homes = {home for key, home in c.router._homes.items() if "spread-" in key}
+    assert homes == {0, 1}
+
+
+def test_cancel_crosses_the_actor_boundary(cluster):
+    c, client = cluster
+    with client.websocket_connect("/ws") as ws:
+        ws.send_json({"type": "chat", "id": "long", "conversation_id": "cancel-conv",
+                      "content": "Go on forever.",
+                      "params": {"max_tokens": 1500, "ignore_eos": True}})  # fmt: skip
+        while ws.receive_json()["type"] != "token":
+            pass
+        ws.send_json({"type": "cancel", "id": "long"})
+        frames = until_terminal(ws, ["long"])["long"]
+    assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "cancelled"
+    assert frames[-1]["usage"]["completion_tokens"] < 1500
+    wait_for(lambda: c.stats().num_running == 0)
+
+
+def test_a_replica_killed_mid_stream_leaves_one_continuous_reply(cluster):
+    c, client = cluster
+    with client.websocket_connect("/ws") as ws:
+        reference = say(ws, "ref", "kill-ref", "Tell me a long story.", 60)
+        assert reference[-1]["type"] == "done"
+        params = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
+        ws.send_json({"type": "chat", "id": "k", "conversation_id": "kill-conv",
+                      "content": "Tell me a long story.", "params": params})  # fmt: skip
+        frames = []
+        while len([f for f in frames if f["type"] == "token"]) < 10:
+            frames.append(ws.receive_json())
+        (serving,) = set(c._where.values())
+        os.kill(ray.get(c.replicas[serving].pid.remote()), signal.SIGKILL)
+        frames += until_terminal(ws, ["k"])["k"]
+    tokens = [f for f in frames if f["type"] == "token"]
+    assert [f["seq"] for f in tokens] == list(range(len(tokens)))  # no gap, no duplicate
+    done = frames[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "length"
+    assert done["usage"]["completion_tokens"] == 60
+    assert text_of(frames) == text_of(reference)  # greedy: the same reply as uninterrupted
+    # Ray restarts the replica; the front takes it back; nothing is left running.
+    wait_for(lambda: c.live == {0, 1}, timeout=120)
+    assert client.get("/ready").status_code == 200
+    wait_for(lambda: c.stats().num_running == 0 and c.stats().num_waiting == 0)
+
+
+def test_routing_and_replicas_show_in_metrics(cluster):
+    _, client = cluster
+    text = client.get("/metrics").text
+    assert 'parley:replica_up{replica="0"} 1.0' in text
+    assert 'parley:routing_decisions_total{decision="affine"}' in text
+
+
+def test_one_replica_imports_no_ray():
+    code = (
+        "import sys\n"
+        "from app.__main__ import build_parser, engine_config, server_config\n"
+        "from app.server.app import _build_engine\n"
+        "args = build_parser().parse_args(['--kv-cache-size', '32MiB'])\n"
+        "engine = _build_engine(engine_config(args), server_config(args).cluster)\n"
+        "assert type(engine).__name__ == 'AsyncEngine', type(engine)\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
