@@ -4,10 +4,8 @@ Layout (namespace `parley` by default):
 
     parley:turns        a stream; one entry per accepted turn, field `rec` names its record
     group "workers"     the consumer group: an entry is pending under the process running it
-    parley:rec:<hash>   the turn's record, a list: its header (who, which conversation, the
-                        history, the prompt's token ids, the sampling parameters), then one
-                        item per frame sent (seq, text, the token ids since the last item),
-                        then its end (the terminal frame)
+    parley:rec:<hash>   the turn's record, a list: header, one item per frame, end
+                        (app.server.journal_records)
 
 A turn is appended (XADD, then XREADGROUP in the same MULTI, so the entry is pending under
 this process from the start) before it is scheduled. Each token frame is recorded before it
@@ -34,23 +32,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from app.chat.prompt import Message
-from app.engine.request import SamplingParams
+from app.server.journal_records import (
+    VERSION,
+    JournalEntry,
+    RecoveredTurn,
+    TurnRecord,
+    read_record,
+    record_key,
+)
 
 log = logging.getLogger(__name__)
 
 GROUP = "workers"
-VERSION = 1
+
 
 # Refresh the idle time of this process's entries that are still its own (another process
 # may have claimed one while this one stalled: that one is lost, not taken back).
@@ -92,77 +95,6 @@ class JournalConfig:
 
 
 @dataclass(frozen=True)
-class TurnRecord:
-    """What the journal keeps of an accepted turn: enough to run it again elsewhere."""
-
-    tenant: str
-    owner: str
-    conversation_id: str
-    turn_id: str
-    messages: list[Message]  # the history it answers, resolved
-    params: SamplingParams
-    cache: bool
-    cache_salt: str | None
-    prompt_ids: list[int]
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "v": VERSION,
-                "tenant": self.tenant,
-                "owner": self.owner,
-                "conversation_id": self.conversation_id,
-                "turn_id": self.turn_id,
-                "messages": [m.to_dict() for m in self.messages],
-                "params": {f.name: getattr(self.params, f.name) for f in fields(SamplingParams)},
-                "cache": self.cache,
-                "cache_salt": self.cache_salt,
-                "prompt": self.prompt_ids,
-            },
-            ensure_ascii=False,
-            separators=(",", ":"),
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> TurnRecord:
-        d = json.loads(text)
-        known = {f.name for f in fields(SamplingParams)}
-        return cls(
-            tenant=d["tenant"],
-            owner=d["owner"],
-            conversation_id=d["conversation_id"],
-            turn_id=d["turn_id"],
-            messages=[Message(m["role"], m["content"]) for m in d["messages"]],
-            params=SamplingParams(**{k: v for k, v in d["params"].items() if k in known}),
-            cache=d["cache"],
-            cache_salt=d["cache_salt"],
-            prompt_ids=list(d["prompt"]),
-        )
-
-
-@dataclass
-class JournalEntry:
-    """A journaled turn in flight in this process."""
-
-    entry_id: str
-    record_key: str
-    durable: bool = True  # False once a write was lost: the turn is not resumed later
-
-
-@dataclass(frozen=True)
-class RecoveredTurn:
-    """A pending turn taken from the journal, as far as its record goes."""
-
-    entry: JournalEntry
-    record: TurnRecord
-    texts: list[str]  # the token frames' texts, seq 0, 1, ...
-    token_ids: list[int]  # the output token ids recorded
-    start: tuple[int, int] | None  # prompt_tokens, cached_tokens of its start frame
-    end: str | None  # its terminal frame, when it had finished (only the XACK was lost)
-    ok: bool  # it finished with `done` (its reply belongs to the conversation)
-
-
-@dataclass(frozen=True)
 class JournalStats:
     """Counters for /metrics."""
 
@@ -174,12 +106,6 @@ class JournalStats:
     flushes: int  # round trips that recorded frames (group commits)
     flush_seconds: float  # their total time
     recovered: int  # turns taken over (from an earlier life or a silent process)
-
-
-def record_key(namespace: str, conversation_key: str, turn_id: str) -> str:
-    """A turn's record: named by its conversation and id, so a late resume finds it."""
-    digest = hashlib.sha256(f"{conversation_key}\x1f{turn_id}".encode()).hexdigest()[:32]
-    return f"{namespace}:rec:{digest}"
 
 
 @dataclass
@@ -302,7 +228,7 @@ class Journal:
             await self._redis.xack(self.stream, GROUP, entry_id)
             return None
         try:
-            turn = _recovered(JournalEntry(entry_id, key), items)
+            turn = read_record(JournalEntry(entry_id, key), items)
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("journal: record %s unreadable (%s); dropping it", key, exc)
             await self._redis.xack(self.stream, GROUP, entry_id)
@@ -322,7 +248,7 @@ class Journal:
         key = record_key(self.config.namespace, conversation_key, turn_id)
         try:
             items = await self._redis.lrange(key, 0, -1)
-            turn = _recovered(JournalEntry("", key), items) if items else None
+            turn = read_record(JournalEntry("", key), items) if items else None
         except (RedisError, ValueError, KeyError, TypeError):
             return None
         return turn if turn is not None and turn.end is not None else None
@@ -466,27 +392,6 @@ class Journal:
         return JournalStats(self.up, c["turns"], c["unjournaled"], c["writes"],
                             c["write_errors"], c["flushes"], self._flush_seconds,
                             c["recovered"])  # fmt: skip
-
-
-def _recovered(entry: JournalEntry, items: list[bytes]) -> RecoveredTurn:
-    record = TurnRecord.from_json(items[0])
-    texts: list[str] = []
-    ids: list[int] = []
-    start = None
-    end = None
-    ok = False
-    for raw in items[1:]:
-        item = json.loads(raw)
-        ids += item.get("i", [])
-        if "end" in item:
-            end, ok = item["end"], bool(item["ok"])
-            break
-        if "start" in item and start is None:
-            start = (int(item["start"][0]), int(item["start"][1]))
-        if item["s"] != len(texts):
-            raise ValueError(f"frame {item['s']} recorded out of order")
-        texts.append(item["t"])
-    return RecoveredTurn(entry, record, texts, ids, start, end, ok)
 
 
 def _dump(value: Any) -> str:

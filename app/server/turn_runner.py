@@ -32,7 +32,8 @@ from app.engine.request import FinishReason, SamplingParams
 from app.server import protocol as p
 from app.server.chat_service import ChatService, Turn
 from app.server.errors import ENGINE_ERRORS, ws_error
-from app.server.journal import Journal, JournalEntry, JournalUnavailable, RecoveredTurn, TurnRecord
+from app.server.journal import Journal, JournalUnavailable
+from app.server.journal_records import JournalEntry, RecoveredTurn, TurnRecord
 from app.server.security import Principal
 from app.server.streams import Sink, Streams, TurnStream
 

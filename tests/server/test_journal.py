@@ -13,7 +13,8 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.engine import LLMEngine
 from app.engine.request import SamplingParams
 from app.server.app import ServerConfig, create_app
-from app.server.journal import GROUP, Journal, JournalConfig, TurnRecord
+from app.server.journal import GROUP, Journal, JournalConfig
+from app.server.journal_records import TurnRecord
 from tests.redis_server import RedisServer, free_port
 from tests.server.test_streams import first_tokens, resume, tokens, wait_for
 from tests.server.test_ws_fake import text_of, until_terminal
