@@ -235,6 +235,8 @@ function onTurnFrame(conversation, turn, frame) {
     if (frame.type === "done") {
       reply.stats = { ...frame.timings, prompt_tokens: frame.usage.prompt_tokens, cached_tokens: frame.usage.cached_tokens };
       reply.stopped = frame.finish_reason === "cancelled";
+    } else if (frame.code === "unknown_id" || frame.code === "expired") {
+      reply.error = "interrupted"; // a resume found the turn gone (the server lost it)
     } else {
       reply.error = frame.message;
     }

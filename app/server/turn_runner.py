@@ -231,6 +231,9 @@ class TurnRunner:
                 routing_key=turn.conversation.key,  # replicas: where the conversation's K/V is
             )
             async for out in outputs:
+                if last is None and stream.cancelled:
+                    # Cancelled before the engine had the request: that abort found nothing.
+                    self.chat.engine.abort(request_id)
                 last = out
                 reply_ids += out.new_token_ids
                 unrecorded += out.new_token_ids

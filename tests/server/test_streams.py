@@ -7,10 +7,12 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
+from app.engine.async_engine import AsyncEngine
 from app.server.app import ServerConfig, create_app
 from app.server.streams import StreamsConfig
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_ws_fake import chat, text_of, until_terminal
+from tests.tiny import tiny_engine
 
 WORDS = " ".join(f"w{i}" for i in range(40))
 
@@ -227,3 +229,15 @@ def test_a_new_turn_supersedes_the_one_its_client_left_behind(client, fake):
         ws.send_json(resume("t1"))
         assert ws.receive_json()["code"] == "expired"
     assert len(fake.aborted) == 1
+
+
+def test_a_cancel_that_comes_before_the_engine_has_the_request_still_stops_it(tokenizer):
+    engine = AsyncEngine(tiny_engine(tokenizer))
+    with TestClient(create_app(engine=engine)) as client, client.websocket_connect("/ws") as ws:
+        params = {"max_tokens": 1000, "ignore_eos": True}
+        long = "word " * 2000  # rendered on a worker thread: the cancel comes meanwhile
+        ws.send_json(chat("t1", content=long, params=params))
+        ws.send_json({"type": "cancel", "id": "t1"})  # the engine has not seen it yet
+        frames = until_terminal(ws, ["t1"])["t1"]
+    assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "cancelled"
+    assert frames[-1]["usage"]["completion_tokens"] < 1000
