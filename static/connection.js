@@ -78,6 +78,13 @@ export class Connection {
     return this.socket !== null && this.socket.readyState === WebSocket.OPEN;
   }
 
+  // Route the frames of a turn already in flight (a reply that was streaming before a
+  // reload) to `onFrame`; it is re-attached with `resume()` once the socket is open.
+  expect(id, onFrame, resume) {
+    this.handlers.set(id, { onFrame, resume });
+    if (this.isOpen) this.socket.send(JSON.stringify(resume()));
+  }
+
   // Send a frame. With `onFrame`, the turn's frames go to it; with `resume` (a function
   // returning the resume frame to send), the turn is re-attached after a reconnect.
   send(frame, onFrame, resume) {

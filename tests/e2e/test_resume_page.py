@@ -12,6 +12,7 @@ from app.engine.engine import LLMEngine
 from app.server.app import create_app
 from tests.e2e.live_server import live_server
 from tests.e2e.test_chat_page import send
+from tests.server.fake_engine import FakeEngine
 
 
 @pytest.fixture
@@ -88,4 +89,26 @@ def test_the_page_resumes_its_reply_after_going_offline(browser, server):
     send(page, "Tell me a long story.")
     wait_done(page, 1)
     assert stored_messages(page)[1]["content"] == reply["content"]
+    context.close()
+
+
+def test_a_reply_the_server_lost_is_marked_interrupted(browser, tokenizer):
+    """A restart without a journal: the page's resume finds nothing, and says so."""
+    fake = FakeEngine(tokenizer, delay=0.02, reply=" ".join(f"w{i}" for i in range(500)))
+    with live_server(create_app(engine=fake)) as first:
+        port = first.port
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(first.url)
+        page.wait_for_selector("#connection[data-state=open]")
+        send(page, "Talk for a while")
+        page.wait_for_function(
+            "() => document.querySelector('.message.assistant .bubble').innerText.length > 10"
+        )
+    page.wait_for_selector("#connection[data-state=reconnecting]")
+    with live_server(create_app(engine=FakeEngine(tokenizer)), port=port):
+        page.wait_for_selector("#connection[data-state=open]", timeout=20_000)
+        page.wait_for_selector(".message.assistant:not(.streaming)")
+        assert "interrupted" in page.locator(".message.assistant .meta").inner_text()
+        assert page.locator(".message.assistant .bubble").inner_text().startswith("w0")
     context.close()
