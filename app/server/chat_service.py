@@ -137,6 +137,11 @@ class ChatService:
         conv = turn.conversation
         if conv.turn == turn.token:
             conv.turn = None
+        if self.store.find(conv.tenant, conv.id) is None:
+            # Deleted while the turn ran on (e.g. detached): the engine pinned the turn's
+            # blocks to the session after the delete released it; let them go too.
+            self.engine.release_session(conv.key)
+            return
         if text is None:
             return
         conv.messages = [*turn.messages, Message("assistant", text)]

@@ -94,8 +94,11 @@ class ChatSocket:
                 raise p.ProtocolError(p.UNKNOWN_ID, f"no turn {frame.id!r} is in flight", frame.id)
             stream.cancel()  # ends with finish_reason "cancelled"
         elif isinstance(frame, p.DeleteFrame):
-            self.chat.delete(self.principal, frame.conversation_id)  # raises if not ours
+            self.chat.check_access(self.principal, frame.conversation_id, None)
+            # Cancel first: the engine applies the abort (whose blocks go to the pin) before
+            # the release (which frees the pin), in the order they were sent.
             self.runner.cancel_conversation(self.principal, frame.conversation_id)
+            self.chat.delete(self.principal, frame.conversation_id)
             await self.send(p.deleted_frame(frame.conversation_id))
         elif isinstance(frame, p.ChatFrame):
             await self._start_turn(frame)

@@ -241,3 +241,19 @@ def test_a_cancel_that_comes_before_the_engine_has_the_request_still_stops_it(to
         frames = until_terminal(ws, ["t1"])["t1"]
     assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "cancelled"
     assert frames[-1]["usage"]["completion_tokens"] < 1000
+
+
+def test_deleting_a_conversation_whose_turn_runs_detached_leaves_no_block(tokenizer):
+    engine = AsyncEngine(tiny_engine(tokenizer))
+    with TestClient(create_app(engine=engine)) as client:
+        client.get("/")
+        params = {"max_tokens": 1000, "ignore_eos": True}
+        with client.websocket_connect("/ws") as ws:
+            ws.send_json(chat("t1", "doomed", params=params))
+            first_tokens(ws, 2)
+        with client.websocket_connect("/ws") as ws:
+            ws.send_json({"type": "delete", "conversation_id": "doomed"})
+            assert ws.receive_json()["type"] == "deleted"
+        pool = engine.engine.kv.pool
+        wait_for(lambda: pool.num_free_blocks == pool.num_blocks)
+        assert engine.stats().sessions_pinned == 0
