@@ -204,9 +204,10 @@ class TurnStream:
                         self._cursor = seq + 1
                         self._wake()
                 elif self.finished:
+                    # Released first: once the client has the terminal it may reuse the id.
+                    self._release(sink, gen)
                     if self.terminal is not None:
                         await sink.send(self.terminal)
-                    self._release(sink, gen)
                     return
                 else:
                     await self._wait()
