@@ -113,6 +113,35 @@ def one_run(model, args, journal_url: str | None, run_number: int) -> dict:
     }
 
 
+async def frame_cost(url: str, streams: int, frames: int = 200) -> dict:
+    """The journal alone: `streams` turns recording `frames` token frames each, as fast
+    as Redis takes them. The CPU this process spends per frame is the journal's own cost
+    on the event loop (the model's work is what it competes with)."""
+    from app.chat.prompt import Message
+    from app.engine.request import SamplingParams
+    from app.server.journal import Journal
+    from app.server.journal_records import TurnRecord
+
+    journal = Journal(JournalConfig(url, consumer="bench-frames"))
+    await journal.open()
+    record = TurnRecord("", "bench", "c", "t", [Message("user", "hi")], SamplingParams(),
+                        True, None, list(range(40)))  # fmt: skip
+    entries = [await journal.accept(record, f"frames-{i}") for i in range(streams)]
+
+    async def turn(entry) -> None:
+        for seq in range(frames):
+            await journal.progress(entry, seq, " word", [1234])
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(turn(e) for e in entries))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    for entry in entries:
+        await journal.finish(entry, None, False, [])
+    await journal.close()
+    n = streams * frames
+    return {"frames": n, "cpu_us_per_frame": 1e6 * cpu / n, "frames_per_s": n / wall}
+
+
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -134,6 +163,9 @@ def main() -> None:
     if url is None:
         redis_process, url = start_redis(Path(folder.name))
     try:
+        cost = asyncio.run(frame_cost(url, args.streams))
+        print(f"journal alone: {cost['cpu_us_per_frame']:.1f} us of CPU per frame, "
+              f"{cost['frames_per_s']:.0f} frames/s", file=sys.stderr)  # fmt: skip
         print("warm-up run (not counted)", file=sys.stderr)
         one_run(model, args, None, 0)
         runs: dict[str, list[dict]] = {"plain": [], "journal": []}
@@ -176,6 +208,7 @@ def main() -> None:
     frames = sum(r["journal"].get("parley:journal_frames_total", 0) for r in journal)
     flushes = sum(r["journal"].get("parley:journal_flushes_total", 0) for r in journal)
     seconds = sum(r["journal"].get("parley:journal_flush_seconds_total", 0) for r in journal)
+    summary["journal_alone"] = cost
     summary["frames_per_round_trip"] = frames / flushes if flushes else None
     summary["round_trip_ms"] = 1000 * seconds / flushes if flushes else None
 
@@ -195,6 +228,8 @@ def main() -> None:
         print(f"   journal: {frames:.0f} frames recorded in {flushes:.0f} round trips "
               f"({summary['frames_per_round_trip']:.1f} frames each, "
               f"{summary['round_trip_ms']:.2f} ms each)")  # fmt: skip
+    print(f"   journal alone: {cost['cpu_us_per_frame']:.1f} us of CPU per frame recorded "
+          f"({cost['frames_per_s']:.0f} frames/s at most)")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": vars(args), "summary": summary, "runs": runs},
                                          indent=1))  # fmt: skip

@@ -114,11 +114,10 @@ class TurnRunner:
         self.chat.check_access(principal, frame.conversation_id, frame.id)
         key = conversation_key(principal.tenant, frame.conversation_id)
         stream = self.streams.get(key)
-        if (stream is None or stream.id != frame.id) and self.journal is not None:
-            # Not here: perhaps it finished just before a restart and its `done` was lost.
+        if stream is None and self.journal is not None:
+            # Nothing here: perhaps it finished just before a restart, its `done` lost.
             done = await self.journal.find_finished(key, frame.id)
-            now = self.streams.get(key)
-            if done is not None and now is stream and (now is None or now.finished):
+            if done is not None and self.streams.get(key) is None:
                 self._adopt_finished(done)
         return self.streams.resume(key, frame.id, principal.owner, frame.after_seq, sink)
 
