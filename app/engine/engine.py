@@ -223,7 +223,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             try:
+                started = time.perf_counter()
                 sampled = self.runner.run(sched).sampled
+                self.scheduler.observe_step(sched, time.perf_counter() - started)
             except Exception:
                 log.exception("a batch of %d requests failed; retrying them one by one",
                               len(sched.scheduled))  # fmt: skip
@@ -344,6 +346,7 @@ class LLMEngine:
             pinned_blocks=self.kv.pins.num_blocks,
             session_unpins=dict(self.kv.pins.unpins),
             steps=s.steps,
+            step=self.scheduler.last_step,
         )
 
     def check_integrity(self) -> None:

@@ -84,6 +84,18 @@ class EngineListener(Protocol):
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """The last step as the policy saw it, for /metrics."""
+
+    prefill_tokens: int = 0  # the budget it chose (prefill tokens granted)
+    decodes: int = 0
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+    itl_target_s: float | None = None
+    model_error: float = 0.0  # the cost model's mean relative error, recent steps
+
+
+@dataclass(frozen=True)
 class ReplicaStats:
     """One engine replica, as its front sees it (several replicas: app.cluster)."""
 
@@ -112,6 +124,7 @@ class EngineStats:
     pinned_blocks: int
     session_unpins: dict[str, int]
     steps: int
+    step: StepReport | None = None  # the last step: budget, predicted and measured time
     replicas: tuple[ReplicaStats, ...] = ()  # empty for one engine in this process
     routing: dict[str, int] = field(default_factory=dict)  # decisions by kind (affine, ...)
 
