@@ -32,6 +32,9 @@ from app.engine.request import FinishReason, Request, RequestStatus
 # of attention per token of context). Chunks shrink as their context grows, so a step
 # that carries one costs about the same early and late in a long prompt.
 CONTEXT_COST_TOKENS = 1024
+# A request that wants its prompt's logprobs gets logits for every prompt token: chunks of
+# at most this many tokens keep those logits (tokens x vocabulary floats) to ~50 MB.
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class ScheduledRequest:
     num_tokens: int
     samples: bool  # the step reaches the request's last known token: it samples
     block_ids: list[int]
+    # Choices of the same prompt that sample from this step's logits too and then take
+    # the request's blocks by reference (its prompt's last chunk, n > 1).
+    forks: tuple[Request, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -60,6 +66,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # (source, destination) block ids to copy before the forward pass: copy on write.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -109,20 +117,26 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted by an earlier request of this step
             n = self._chunk(req.num_computed_tokens, req.num_tokens, prefill_budget, decoding)
+            if req.params.prompt_logprobs is not None:
+                n = min(n, PROMPT_LOGPROBS_CHUNK)
             if self._grant(req, n, out, scheduled):
                 prefill_budget -= n
 
-        # 3. Admissions, unless memory was short this step.
+        # 3. Admissions, unless memory was short this step. A request with choices to fork
+        # needs a seat for each of them.
+        seats = len(self.running) + sum(len(r.forks) for r in self.running)
         while (
             self.waiting
             and not out.preempted
             and prefill_budget > 0
-            and len(self.running) < self.cfg.max_num_seqs
+            and seats + 1 + len(self.waiting[0].forks) <= self.cfg.max_num_seqs
         ):
             req = self.waiting[0]
             computed = self.kv.get_computed(req)
             num_hit = computed.num_tokens
             n = self._chunk(num_hit, req.num_tokens, prefill_budget, decoding)
+            if req.params.prompt_logprobs is not None:
+                n = min(n, PROMPT_LOGPROBS_CHUNK)
             if not self._allocate(req, n, computed):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -142,8 +156,10 @@ class Scheduler:
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = time.monotonic()
             self.running.append(req)
+            seats += 1 + len(req.forks)
             self._emit(req, n, out, scheduled)
             prefill_budget -= n
+        out.block_copies = self.kv.take_copies()
         self.stats.steps += 1
         return out
 
@@ -184,9 +200,9 @@ class Scheduler:
     def _emit(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[str]) -> None:
         start = req.num_computed_tokens
         block_ids = self.kv.block_ids(req.request_id)
-        out.scheduled.append(
-            ScheduledRequest(req, start, n, start + n == req.num_tokens, block_ids)
-        )
+        samples = start + n == req.num_tokens
+        forks = tuple(req.forks) if samples else ()
+        out.scheduled.append(ScheduledRequest(req, start, n, samples, block_ids, forks))
         scheduled.add(req.request_id)
 
     def _preempt(self, req: Request) -> None:
@@ -205,6 +221,22 @@ class Scheduler:
                 continue  # failed during the step; its blocks are gone
             s.request.num_computed_tokens = s.start + s.num_tokens
             self.kv.cache_full_blocks(s.request)
+            if s.forks:
+                self._fork(s.request, s.forks)
+
+    def _fork(self, parent: Request, forks: tuple[Request, ...]) -> None:
+        """The parent's prompt is computed: its other choices take its blocks by
+        reference and run from here (their first tokens were sampled this step)."""
+        for child in forks:
+            if child.is_finished:
+                continue  # aborted before its prompt was computed
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.timings.first_scheduled = parent.timings.first_scheduled
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.forks = []
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Stop a request for good (any status). Its blocks are freed, or become its
@@ -215,8 +247,9 @@ class Scheduler:
                 self.kv.free(req)
             else:
                 self.kv.free_or_pin(req)
-        elif req.status is RequestStatus.WAITING:
+        elif req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)  # holds no blocks; its session keeps its old pin
+        # (A choice not yet forked is in neither queue: it holds nothing.)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.timings.finished = time.monotonic()
