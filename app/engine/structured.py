@@ -17,6 +17,7 @@ there (Grammar.must_end) without spending a step on it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from app.engine.request import ResponseFormat
 
 SEPARATORS = (", ", ": ")
 _OBJECT_SCHEMA = '{"type": "object"}'
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[04:47:06] /project/x.cc:94: "
 
 
 class GrammarCompiler:
@@ -72,7 +74,7 @@ class GrammarCompiler:
                 schema, any_whitespace=False, separators=SEPARATORS, strict_mode=True
             )
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = _LOG_PREFIX.sub("", (str(exc).strip() or type(exc).__name__).splitlines()[0])
             raise BadParameter(
                 f"response_format: the JSON schema is not supported: {reason}", "response_format"
             ) from None
