@@ -30,6 +30,10 @@ from app.engine.outputs import StepReport
 from app.engine.policy import BatchPolicy, make_policy
 from app.engine.request import FinishReason, Request, RequestStatus
 
+# A request that wants its prompt's logprobs gets logits for every prompt token: chunks of
+# at most this many tokens keep those logits (tokens x vocabulary floats) to ~50 MB.
+PROMPT_LOGPROBS_CHUNK = 256
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -41,6 +45,9 @@ class ScheduledRequest:
     num_tokens: int
     samples: bool  # the step reaches the request's last known token: it samples
     block_ids: list[int]
+    # Choices of the same prompt that sample from this step's logits too and then take
+    # the request's blocks by reference (its prompt's last chunk, n > 1).
+    forks: tuple[Request, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -58,6 +65,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     shape: StepShape = field(default_factory=StepShape)  # what the cost model sees
+    # (source, destination) block ids to copy before the forward pass: copy on write.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -112,23 +121,22 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted by an earlier request of this step
             start = req.num_computed_tokens
-            n = self._chunk(shape, start, req.num_tokens, prefill_budget)
+            n = self._chunk(shape, req, start, prefill_budget)
             if n and self._grant(req, n, out, scheduled):
                 prefill_budget -= n
                 shape = shape.plus_prefill(n, start)
 
-        # 3. Admissions, unless memory was short this step.
-        while (
-            self.waiting
-            and not out.preempted
-            and prefill_budget > 0
-            and len(self.running) < self.cfg.max_num_seqs
-        ):
+        # 3. Admissions, unless memory was short this step. A request with choices to fork
+        # needs a seat for each of them.
+        seats = len(self.running) + sum(len(r.forks) for r in self.running)
+        while self.waiting and not out.preempted and prefill_budget > 0:
             index = self.policy.next_index(self.waiting)
             req = self.waiting[index]
+            if seats + 1 + len(req.forks) > self.cfg.max_num_seqs:
+                break
             computed = self.kv.get_computed(req)
             num_hit = computed.num_tokens
-            n = self._chunk(shape, num_hit, req.num_tokens, prefill_budget)
+            n = self._chunk(shape, req, num_hit, prefill_budget)
             if not n or not self._allocate(req, n, computed):
                 break  # nobody overtakes the request the policy chose
             del self.waiting[index]
@@ -148,17 +156,23 @@ class Scheduler:
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = time.monotonic()
             self.running.append(req)
+            seats += 1 + len(req.forks)
             self._emit(req, n, out, scheduled)
             prefill_budget -= n
             shape = shape.plus_prefill(n, num_hit)
         out.shape = shape
+        out.block_copies = self.kv.take_copies()
         self.stats.steps += 1
         return out
 
-    def _chunk(self, shape: StepShape, start: int, end: int, budget: int) -> int:
-        """Tokens to prefill this step for a prompt computed up to `start` of `end`, in a
+    def _chunk(self, shape: StepShape, req: Request, start: int, budget: int) -> int:
+        """Tokens to prefill this step of `req`'s prompt, computed up to `start`, in a
         step that already holds `shape`: the policy's call."""
-        return self.policy.prefill_tokens(shape, start, end - start, budget, len(self.waiting))
+        waiting = len(self.waiting)
+        n = self.policy.prefill_tokens(shape, start, req.num_tokens - start, budget, waiting)
+        if req.params.prompt_logprobs is not None:
+            n = min(n, PROMPT_LOGPROBS_CHUNK)
+        return n
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The step `out` took `seconds` to run: the cost model learns from it."""
@@ -202,9 +216,9 @@ class Scheduler:
     def _emit(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[str]) -> None:
         start = req.num_computed_tokens
         block_ids = self.kv.block_ids(req.request_id)
-        out.scheduled.append(
-            ScheduledRequest(req, start, n, start + n == req.num_tokens, block_ids)
-        )
+        samples = start + n == req.num_tokens
+        forks = tuple(req.forks) if samples else ()
+        out.scheduled.append(ScheduledRequest(req, start, n, samples, block_ids, forks))
         scheduled.add(req.request_id)
 
     def _preempt(self, req: Request) -> None:
@@ -223,6 +237,22 @@ class Scheduler:
                 continue  # failed during the step; its blocks are gone
             s.request.num_computed_tokens = s.start + s.num_tokens
             self.kv.cache_full_blocks(s.request)
+            if s.forks:
+                self._fork(s.request, s.forks)
+
+    def _fork(self, parent: Request, forks: tuple[Request, ...]) -> None:
+        """The parent's prompt is computed: its other choices take its blocks by
+        reference and run from here (their first tokens were sampled this step)."""
+        for child in forks:
+            if child.is_finished:
+                continue  # aborted before its prompt was computed
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.timings.first_scheduled = parent.timings.first_scheduled
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.forks = []
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Stop a request for good (any status). Its blocks are freed, or become its
@@ -233,8 +263,9 @@ class Scheduler:
                 self.kv.free(req)
             else:
                 self.kv.free_or_pin(req)
-        elif req.status is RequestStatus.WAITING:
+        elif req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)  # holds no blocks; its session keeps its old pin
+        # (A choice not yet forked is in neither queue: it holds nothing.)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.timings.finished = time.monotonic()
