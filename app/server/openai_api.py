@@ -133,15 +133,16 @@ class OpenAIAPI:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise bad("'stream_options' must be an object", "stream_options")
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise bad("'user' must be a string", "user")
+        hint = body.get("prompt_cache_key") or body.get("user")  # where its K/V is
+        for name in ("prompt_cache_key", "user"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise bad(f"'{name}' must be a string", name)
         outputs = self.engine.generate(
             prompt,
             params,
             "api-" + uuid.uuid4().hex,
             cache_salt=self.cache_salt(request.user),
-            routing_key=f"user:{user}" if user else None,  # several replicas: its K/V's home
+            routing_key=f"user:{hint}" if hint else None,  # several replicas: its K/V's home
         )
         chat = shape.chat
         meta = {

@@ -49,7 +49,7 @@ _COMMON: dict[str, Field] = {
     "presence_penalty": _honoured(),
     "frequency_penalty": _honoured(),
     "logit_bias": _honoured("token id -> bias in [-100, 100], added before penalties"),
-    "user": _ignored("no per-user accounting: tenants come from the API key"),
+    "user": _honoured("a routing hint: with --replicas, a user's requests go where its K/V is"),
     # Parley's extensions (vLLM's names)
     "top_k": _honoured("extension"),
     "min_p": _honoured("extension"),
@@ -70,7 +70,7 @@ CHAT_FIELDS: dict[str, Field] = {
     "metadata": _ignored("tags for stored completions, and nothing is stored"),
     "store": _ignored("nothing is stored: false only", lambda v: v is False),
     "safety_identifier": _ignored("no per-user accounting"),
-    "prompt_cache_key": _ignored("prefix caching is automatic, keyed by the tokens"),
+    "prompt_cache_key": _honoured("a routing hint, as user (prefix caching is automatic)"),
     "service_tier": _ignored("one tier: auto or default only", lambda v: v in ("auto", "default")),
     "prediction": _ignored("a latency hint: the reply does not depend on it"),
     "modalities": _ignored("text is the only modality", lambda v: v == ["text"]),
