@@ -49,6 +49,19 @@ FLAGS: list[tuple[str, dict]] = [
     ("--block-size", dict(type=int, default=16, help="tokens per KV block")),
     ("--max-num-seqs", dict(type=int, default=64, help="requests in one batch")),
     ("--max-num-batched-tokens", dict(type=int, default=2048, help="tokens in one step")),
+    (
+        "--batching",
+        dict(
+            choices=("adaptive", "static"),
+            default="adaptive",
+            help="adaptive: step budgets from measured step costs and --itl-target-ms, "
+            "shortest prompt first with aging; static: fixed chunks, first come first served",
+        ),
+    ),
+    (
+        "--itl-target-ms",
+        dict(type=float, default=None, help="inter-token target (default: 1.5x a decode step)"),
+    ),
     ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
     ("--max-turns-per-socket", dict(type=int, default=8)),
     ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
@@ -149,6 +162,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting,
             request_timeout_s=args.request_timeout or None,
+            batching=args.batching,
+            itl_target_ms=args.itl_target_ms,
         ),
         num_threads=args.threads,
     )

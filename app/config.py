@@ -114,6 +114,10 @@ class SchedulerConfig:
     prefill_chunk_while_decoding: int = 48
     max_waiting: int = 256  # requests queued beyond a full batch; more are refused at once
     request_timeout_s: float | None = 600.0  # a request running longer is stopped
+    # "adaptive": budgets from a measured cost model and an inter-token target, shortest
+    # prompt first with aging (app.engine.policy); "static": the fixed chunk above, FCFS.
+    batching: str = "adaptive"
+    itl_target_ms: float | None = None  # None: 1.5x the measured decode-only step
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -127,6 +131,10 @@ class SchedulerConfig:
             raise ValueError("prefill_chunk_while_decoding must be at least 1")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.batching not in ("adaptive", "static"):
+            raise ValueError(f"batching must be adaptive or static, not {self.batching!r}")
+        if self.itl_target_ms is not None and self.itl_target_ms <= 0:
+            raise ValueError("itl_target_ms must be positive")
 
 
 @dataclass(frozen=True)

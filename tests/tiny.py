@@ -87,6 +87,7 @@ def tiny_parts(
     dtype: str = "float32",
     request_timeout_s: float | None = None,
     max_waiting: int = 256,
+    batching: str = "static",  # fixed chunks: schedules the tests can predict
     **arch_overrides,
 ) -> tuple[EngineConfig, LoadedModel]:
     """The config and weights of a tiny engine (for engines built elsewhere, e.g. in a
@@ -107,6 +108,7 @@ def tiny_parts(
             prefill_chunk_while_decoding=prefill_chunk_while_decoding,
             request_timeout_s=request_timeout_s,
             max_waiting=max_waiting,
+            batching=batching,
         ),
         debug_checks=True,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 ROLES = ("system", "user", "assistant")
 _MARK = "\ue000parley-reply-{}\ue001"  # private-use characters: never in real text
@@ -26,11 +27,21 @@ _MARK_RE = re.compile("\ue000parley-reply-(\\d+)\ue001")
 
 @dataclass(frozen=True)
 class Message:
-    role: str
+    role: str  # ROLES, or "tool" (the result of a tool call, where templates know tools)
     content: str
+    # An assistant's tool calls ({"id", "type": "function", "function": {"name",
+    # "arguments"}}, as OpenAI's) and a tool message's answer to one: for templates that
+    # render tools only (app.chat.tools).
+    tool_calls: tuple[Mapping[str, Any], ...] | None = None
+    tool_call_id: str | None = None
 
-    def to_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
 
 
 class ChatPrompt:
@@ -42,10 +53,14 @@ class ChatPrompt:
             raise ValueError("the tokenizer has no chat template")
 
     def render(
-        self, messages: Sequence[Message], generated: Mapping[str, list[int]] | None = None
+        self,
+        messages: Sequence[Message],
+        generated: Mapping[str, list[int]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of `messages`, ready for the assistant's reply. `generated` maps a
-        reply's text to the ids the model produced for it."""
+        reply's text to the ids the model produced for it; `tools` (OpenAI's tool
+        definitions) go to a template that renders them (app.chat.tools)."""
         generated = generated or {}
         spliced: list[list[int]] = []
         items = []
@@ -54,8 +69,11 @@ class ChatPrompt:
             if m.role == "assistant" and content in generated and content:
                 content = _MARK.format(len(spliced))
                 spliced.append(generated[m.content])
-            items.append({"role": m.role, "content": content})
-        text = self.tokenizer.apply_chat_template(items, tokenize=False, add_generation_prompt=True)
+            items.append({**m.to_dict(), "content": content})
+        extra = {"tools": list(tools)} if tools else {}
+        text = self.tokenizer.apply_chat_template(
+            items, tokenize=False, add_generation_prompt=True, **extra
+        )
         ids: list[int] = []
         pos = 0
         for match in _MARK_RE.finditer(text):

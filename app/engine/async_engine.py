@@ -5,7 +5,7 @@ This is the one seam between the web and the engine. The engine's state is touch
 by its thread: adds and aborts travel through a queue and are applied between steps, so
 an abort frees the request's blocks before the next step runs. Outputs travel back with
 one `call_soon_threadsafe` per step. A consumer that reads slower than tokens come gets
-them merged into one output rather than a growing backlog of small ones.
+them merged into one output per choice rather than a growing backlog of small ones.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class AsyncEngine:
         cache_salt: str | None = None,
         routing_key: str | None = None,  # one engine: every request is at home here
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes. Leaving the loop early (break,
+        """Stream a request's outputs until it finishes (each of its params.n choices;
+        outputs carry their choice's `index`). Leaving the loop early (break,
         cancellation, an exception in the consumer) aborts the request.
 
         Raises BadParameter / ContextTooLong for invalid input (before anything is
@@ -107,13 +108,15 @@ class AsyncEngine:
         """
         if not self.healthy():
             raise EngineDead("the engine is not running")
-        if self.num_in_flight >= self.capacity:
+        seats = params.n if params is not None else 1  # each choice runs as a sequence
+        if self.num_in_flight + seats > self.capacity:
             raise Overloaded(
                 f"the server is busy: {self.num_in_flight} requests in flight "
                 f"(at most {self.capacity}); retry shortly"
             )
-        self.num_in_flight += 1  # from here on: a slot is held, even while tokenizing
+        self.num_in_flight += seats  # from here on: slots are held, even while tokenizing
         finished = False
+        unfinished = seats
         stream: _Stream | None = None
         try:
             req = await self._make_request(
@@ -128,19 +131,14 @@ class AsyncEngine:
             self._inbox.put(("add", req))
             self._wake.set()
             while not finished:
-                item = await stream.queue.get()
-                while not isinstance(item, BaseException) and not stream.queue.empty():
-                    later = stream.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        item = later
-                        break
-                    item = item.merge(later)
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                for item in _merged(await stream.queue.get(), stream.queue):
+                    if isinstance(item, BaseException):
+                        raise item
+                    unfinished -= item.finished
+                    finished = unfinished == 0
+                    yield item
         finally:
-            self.num_in_flight -= 1
+            self.num_in_flight -= seats
             if stream is not None:
                 with self._streams_lock:
                     self._streams.pop(req.request_id, None)
@@ -280,6 +278,23 @@ class AsyncEngine:
             ids = list(self._streams)
         for request_id in ids:
             self._deliver_error(request_id, exc)
+
+
+def _merged(
+    first: RequestOutput | BaseException, queue: asyncio.Queue[RequestOutput | BaseException]
+) -> list[RequestOutput | BaseException]:
+    """`first` and whatever else is queued, each choice's outputs folded into one (in the
+    order the choices first appear); an error comes last and ends the list."""
+    if isinstance(first, BaseException):
+        return [first]
+    by_index: dict[int, RequestOutput] = {first.index: first}
+    while not queue.empty():
+        later = queue.get_nowait()
+        if isinstance(later, BaseException):
+            return [*by_index.values(), later]
+        earlier = by_index.get(later.index)
+        by_index[later.index] = later if earlier is None else earlier.merge(later)
+    return list(by_index.values())
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:

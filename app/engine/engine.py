@@ -22,7 +22,8 @@ from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import BadParameter, ContextTooLong
 from app.engine.kv_cache import KVCache
 from app.engine.kv_manager import KVCacheManager
-from app.engine.model_runner import ModelRunner
+from app.engine.logprobs import Logprob
+from app.engine.model_runner import ModelRunner, ModelRunnerOutput
 from app.engine.outputs import (
     EngineListener,
     EngineStats,
@@ -33,6 +34,7 @@ from app.engine.outputs import (
 from app.engine.request import FinishReason, Request, SamplingParams
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from app.engine.structured import GrammarCompiler
 from app.model.build import build_model
 from app.model.loader import LoadedModel, load_model
 from app.model.quantize import int8_weight_bytes
@@ -72,7 +74,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
-        self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.arch.vocab_size, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}  # every live choice, by its own id
+        self._groups: dict[str, list[Request]] = {}  # the caller's id -> its choices
         self.listeners: list[EngineListener] = []
         self._aborted: list[RequestOutput] = []
         self._next_housekeeping = 0.0
@@ -113,8 +117,10 @@ class LLMEngine:
         message fit for the user. A `session_id` keeps the
         request's K/V pinned for that session's next turn (see session_pins);
         `use_prefix_cache=False` computes every prompt token (for comparisons); requests
-        with different `cache_salt`s never share prefix-cache blocks."""
+        with different `cache_salt`s never share prefix-cache blocks. With params.n > 1
+        the request is choice 0 and carries the others in `forks`."""
         params = params or SamplingParams()
+        self._check_params(params, session_id)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
@@ -146,25 +152,63 @@ class LLMEngine:
         # itself forever. It stops with finish_reason "length" instead.
         room = min(self.max_model_len, capacity) - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(
-            request_id or uuid.uuid4().hex,
-            token_ids,
-            params,
-            max_tokens,
-            self.eos_token_ids,
-            session_id,
-            use_prefix_cache,
-            cache_salt,
-        )
+        if params.max_tokens == 0:
+            max_tokens = 0  # scoring: the prompt's logprobs, nothing generated
+        # Scoring a prompt needs logits at its every token: none may come from the cache.
+        use_prefix_cache = use_prefix_cache and params.prompt_logprobs is None
+        request_id = request_id or uuid.uuid4().hex
+        req = self._choice(request_id, 0, token_ids, params, max_tokens, session_id,
+                           use_prefix_cache, cache_salt)  # fmt: skip
+        if params.response_format is not None:
+            req.grammar = self.grammars.compile(params.response_format, req.stop_token_ids)
+        for i in range(1, params.n):
+            child = self._choice(f"{request_id}#{i}", i, token_ids, params.for_choice(i),
+                                 max_tokens, None, True, cache_salt)  # fmt: skip
+            child.group_id = request_id
+            child.grammar = req.grammar.fork() if req.grammar is not None else None
+            req.forks.append(child)
+        return req
+
+    def _check_params(self, params: SamplingParams, session_id: str | None) -> None:
+        """What SamplingParams cannot check alone: limits of this engine and model."""
+        seqs = self.config.scheduler.max_num_seqs
+        if params.n > seqs:
+            raise BadParameter(f"n is limited to {seqs} here (max_num_seqs)", "n")
+        if params.n > 1 and session_id is not None:
+            raise BadParameter("n > 1 does not combine with a conversation's session", "n")
+        if params.n > 1 and params.max_tokens == 0:
+            raise BadParameter("n > 1 needs max_tokens of at least 1", "n")
+        vocab = self.arch.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise BadParameter(f"logit_bias token ids must be below {vocab}", "logit_bias")
+
+    def _choice(
+        self,
+        request_id: str,
+        index: int,
+        token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        session_id: str | None,
+        use_prefix_cache: bool,
+        cache_salt: str | None,
+    ) -> Request:
+        req = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids,
+                      session_id, use_prefix_cache, cache_salt)  # fmt: skip
+        req.index = index
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens
         )
         return req
 
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        """Queue a request made by make_request (and its choices)."""
+        group = [request, *request.forks]
+        if request.request_id in self._groups or any(r.request_id in self.requests for r in group):
             raise BadParameter(f"request id {request.request_id!r} is already in use", "id")
-        self.requests[request.request_id] = request
+        self._groups[request.request_id] = group
+        for r in group:
+            self.requests[r.request_id] = r
         self.scheduler.add(request)
 
     def add_request(
@@ -175,23 +219,41 @@ class LLMEngine:
         session_id: str | None = None,
     ) -> Request:
         """Queue a generation. Returns the request (its id is generated when None)."""
-        if request_id is not None and request_id in self.requests:
+        if request_id is not None and request_id in self._groups:
             raise BadParameter(f"request id {request_id!r} is already in use", "id")
         req = self.make_request(prompt, params, request_id, session_id)
         self.add(req)
         return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
-        """Stop a request and free its blocks now. Its final output (finish_reason
-        "abort", or `reason`, with any held-back text) comes out of the next step().
-        False if unknown."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        """Stop a request (every choice still running) and free its blocks now. Its final
+        outputs (finish_reason "abort", or `reason`, with any held-back text) come out of
+        the next step(). False if unknown."""
+        group = self._groups.get(request_id)
+        if group is None:
             return False
+        for req in list(group):
+            self._stop(req, reason)
+        return True
+
+    def _stop(self, req: Request, reason: FinishReason) -> None:
+        """End one choice early (and the choices it was to fork, which hold nothing)."""
+        for child in req.forks:
+            self._stop(child, reason)
+        req.forks = []
+        if req.is_finished:
+            return
         self.scheduler.finish(req, reason)
         self._aborted.append(self._output(req, "", []))
+        self._finished(req)
+
+    def _finished(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        group = self._groups[req.group_id]
+        group.remove(req)
+        if not group:
+            del self._groups[req.group_id]
         self._tell_finished(req)
-        return True
 
     def release_session(self, session_id: str) -> bool:
         """Free a session's pinned blocks now (a deleted conversation)."""
@@ -214,7 +276,7 @@ class LLMEngine:
         if limit:
             for req in list(self.requests.values()):
                 if now - req.timings.arrival > limit:
-                    self.abort(req.request_id, FinishReason.TIMEOUT)
+                    self.abort(req.group_id, FinishReason.TIMEOUT)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return what it produced."""
@@ -223,51 +285,77 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             try:
-                sampled = self.runner.run(sched).sampled
+                started = time.perf_counter()
+                ran = self.runner.run(sched)
+                self.scheduler.observe_step(sched, time.perf_counter() - started)
             except Exception:
                 log.exception("a batch of %d requests failed; retrying them one by one",
                               len(sched.scheduled))  # fmt: skip
-                sampled = self._run_one_by_one(sched)
+                ran = self._run_one_by_one(sched)
             self.scheduler.update(sched)
-            outputs.extend(self._process(sched.scheduled, sampled))
+            outputs.extend(self._process(sched.scheduled, ran))
             outputs.extend(self._aborted)  # requests failed this step
             self._aborted = []
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
 
-    def _run_one_by_one(self, sched: SchedulerOutput) -> dict[str, int]:
+    def _run_one_by_one(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """After a failed batch: run each request alone, so that the one that fails ends
-        with an error and the others go on."""
-        sampled: dict[str, int] = {}
+        with an error and the others go on. (Block copies are made again with each: a
+        copy's source is never written before its copies are made, so that is harmless.)"""
+        ran = ModelRunnerOutput({})
         for s in sched.scheduled:
             try:
-                sampled.update(self.runner.run(SchedulerOutput([s])).sampled)
+                one = self.runner.run(SchedulerOutput([s], block_copies=sched.block_copies))
             except Exception:
                 log.exception("request %s failed", s.request.request_id)
-                self.abort(s.request.request_id, FinishReason.ERROR)
-        return sampled
+                self._stop(s.request, FinishReason.ERROR)
+                continue
+            ran.sampled.update(one.sampled)
+            ran.logprobs.update(one.logprobs)
+            ran.prompt_logprobs.update(one.prompt_logprobs)
+        return ran
 
     def _process(
-        self, scheduled: list[ScheduledRequest], sampled: dict[str, int]
+        self, scheduled: list[ScheduledRequest], ran: ModelRunnerOutput
     ) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for s in scheduled:
-            req: Request = s.request
-            token = sampled.get(req.request_id)
-            if token is None or req.is_finished:
-                continue  # a prefill chunk short of the prompt's end, or a failed request
-            try:
-                outputs.append(self._accept_token(req, token, now))
-            except Exception:  # e.g. the detokenizer: this request fails, the others go on
-                log.exception("request %s failed after sampling", req.request_id)
-                self.abort(req.request_id, FinishReason.ERROR)
+            if s.request.is_finished:
+                continue  # failed during the step
+            scored = ran.prompt_logprobs.get(s.request.request_id)
+            if scored:
+                s.request.prompt_logprobs.extend(scored)
+            if s.samples and s.request.max_tokens == 0:  # scored, nothing to generate
+                outputs.append(self._end(s.request, FinishReason.LENGTH))
+                continue
+            for req in (s.request, *s.forks):
+                token = ran.sampled.get(req.request_id)
+                if token is None or req.is_finished:
+                    continue  # a prefill chunk short of the prompt's end, or a failure
+                try:
+                    outputs.append(
+                        self._accept_token(req, token, now, ran.logprobs.get(req.request_id))
+                    )
+                except Exception:  # e.g. the detokenizer: this one fails, the others go on
+                    log.exception("request %s failed after sampling", req.request_id)
+                    self._stop(req, FinishReason.ERROR)
         return outputs
 
-    def _accept_token(self, req: Request, token: int, now: float) -> RequestOutput:
+    def _end(self, req: Request, reason: FinishReason) -> RequestOutput:
+        self.scheduler.finish(req, reason)
+        self._finished(req)
+        return self._output(req, "", [])
+
+    def _accept_token(
+        self, req: Request, token: int, now: float, logprob: Logprob | None = None
+    ) -> RequestOutput:
         """Append a sampled token, run the stop checks; the request's output."""
         req.append_output_token(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
         gap = None if req.timings.last_token is None else now - req.timings.last_token
         if req.timings.first_token is None:
             req.timings.first_token = now
@@ -284,6 +372,11 @@ class LLMEngine:
             text = detok.add_tokens([token])
             if detok.stopped:
                 reason = FinishReason.STOP
+        if req.grammar is not None and reason is None:
+            if not req.grammar.accept(token):
+                raise RuntimeError(f"token {token} broke the response_format grammar")
+            if req.grammar.must_end(self.arch.vocab_size):
+                reason = FinishReason.STOP  # the value is complete: only a stop could follow
         if reason is None and (
             req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
         ):
@@ -292,8 +385,7 @@ class LLMEngine:
             text += detok.flush()
         if reason is not None:
             self.scheduler.finish(req, reason)
-            del self.requests[req.request_id]
-            self._tell_finished(req)
+            self._finished(req)
         return self._output(req, text, [token])
 
     def _tell_finished(self, req: Request) -> None:
@@ -310,8 +402,15 @@ class LLMEngine:
         )
         if req.is_finished and cut_short and req.detokenizer:
             text += "" if req.detokenizer.stopped else req.detokenizer.flush()
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = req.logprobs[len(req.logprobs) - len(token_ids) :]
+        prompt_logprobs = None
+        first = req.num_output_tokens == len(token_ids) and (token_ids or req.max_tokens == 0)
+        if req.params.prompt_logprobs is not None and first:
+            prompt_logprobs = list(req.prompt_logprobs)
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=req.group_id,
             new_text=text,
             new_token_ids=token_ids,
             finished=req.is_finished,
@@ -320,6 +419,9 @@ class LLMEngine:
             cached_tokens=max(req.num_cached_tokens, 0),
             completion_tokens=req.num_output_tokens,
             timings=copy.copy(req.timings),
+            index=req.index,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- introspection -------------------------------------------------------------------
@@ -344,12 +446,16 @@ class LLMEngine:
             pinned_blocks=self.kv.pins.num_blocks,
             session_unpins=dict(self.kv.pins.unpins),
             steps=s.steps,
+            step=self.scheduler.last_step,
         )
 
     def check_integrity(self) -> None:
         """Raise AssertionError if blocks, tables and requests disagree."""
         self.kv.check_integrity()
         sched = self.scheduler
-        ids = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
+        queued = [*sched.running, *sched.waiting]
+        ids = {r.request_id for r in queued} | {f.request_id for r in queued for f in r.forks}
         assert ids == set(self.requests), "scheduler and engine disagree on live requests"
+        grouped = {r.request_id for group in self._groups.values() for r in group}
+        assert grouped == ids, "request groups and live requests disagree"
         assert len(sched.running) <= self.config.scheduler.max_num_seqs

@@ -57,3 +57,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, every layer's K and V: (source, destination) block ids
+        (copy on write of a block that choices of one prompt shared)."""
+        src = torch.tensor([s for s, _ in copies], device=self.tensor.device)
+        dst = torch.tensor([d for _, d in copies], device=self.tensor.device)
+        # [layers, 2, num_blocks, ...]: one gather and one scatter along the block axis
+        self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))

@@ -7,6 +7,11 @@
    longest common token prefix with the pin, to the token, not to the block.
 
 A new request starts with whichever covers more.
+
+Choices of one prompt (n > 1) share its blocks by reference count (fork). A block that is
+shared and only partly filled is copied when a holder first writes into it (copy on
+write): allocate_slots gives the writer a fresh block and records the copy, which the
+model runner makes before the step's forward pass (SchedulerOutput.block_copies).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class KVCacheManager:
         self.pins = SessionPins(pool, block_size)
         self._tables: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a table already cached
+        self._copies: list[tuple[int, int]] = []  # (source, destination) block ids to copy
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
@@ -103,16 +109,47 @@ class KVCacheManager:
         needed = self.num_blocks_for(done + num_new_tokens) - len(table) - len(hits)
         # Hits sitting in the free queue leave it when touched: they are not spare memory.
         revived = sum(1 for b in hits if b.ref_count == 0)
-        if needed > self.pool.num_free_blocks - revived:
+        shared = self._shared_partial(table, done) if num_new_tokens > 0 else None
+        if max(needed, 0) + (shared is not None) > self.pool.num_free_blocks - revived:
             return False
         self.pool.touch(hits)
         table = self._tables.setdefault(request.request_id, table)
         table.extend(hits)
         if computed is not None:
             self._num_hashed[request.request_id] = computed.num_tokens // self.block_size
+        if shared is not None:
+            (own,) = self.pool.allocate(1)
+            self._copies.append((table[shared].block_id, own.block_id))
+            self.pool.free([table[shared]])  # still held by the others: it stays in use
+            table[shared] = own
         if needed > 0:
             table.extend(self.pool.allocate(needed))
         return True
+
+    def _shared_partial(self, table: list[Block], num_tokens: int) -> int | None:
+        """The index in `table` of the block that token `num_tokens` is written into, when
+        that block is partly filled and someone else holds it too (copy it first)."""
+        i = num_tokens // self.block_size
+        if num_tokens % self.block_size and i < len(table) and table[i].ref_count > 1:
+            return i
+        return None
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` every block of `parent` by reference (another choice of the same
+        computed prompt). Takes no free block: a shared block is copied only when a holder
+        first writes into it (allocate_slots)."""
+        table = self._tables[parent.request_id]
+        if child.request_id in self._tables:
+            raise RuntimeError(f"request {child.request_id} already has blocks")
+        self.pool.touch(table)
+        self._tables[child.request_id] = list(table)
+        self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies recorded since the last call: (source, destination) ids."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly full and computed blocks in the prefix cache."""

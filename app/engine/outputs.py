@@ -11,12 +11,15 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from app.engine.logprobs import Logprob
 from app.engine.request import FinishReason, Request, Timings
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request. Text and token ids are deltas."""
+    """What one step produced for one choice of a request. Text, token ids and logprobs
+    are deltas. `request_id` is the caller's; `index` tells a request's choices apart
+    (n > 1), and `finished` is about this choice."""
 
     request_id: str
     new_text: str
@@ -27,10 +30,18 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int
     timings: Timings
+    index: int = 0
+    logprobs: list[Logprob] | None = None  # one per new token id, when asked for
+    # Once, on choice 0's first output: one per prompt token, the first None (echo).
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
-        """Fold a later output of the same request into this one (a slow reader gets
+        """Fold a later output of the same choice into this one (a slow reader gets
         one bigger delta instead of a backlog)."""
+        assert later.index == self.index, "only outputs of one choice merge"
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = (logprobs or []) + later.logprobs
         return RequestOutput(
             request_id=self.request_id,
             new_text=self.new_text + later.new_text,
@@ -41,6 +52,9 @@ class RequestOutput:
             cached_tokens=later.cached_tokens,
             completion_tokens=later.completion_tokens,
             timings=later.timings,
+            index=self.index,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )
 
 
@@ -60,12 +74,13 @@ class FinishedRequestStats:
     @classmethod
     def of(cls, req: Request) -> FinishedRequestStats:
         assert req.finish_reason is not None, "only a finished request has final stats"
+        forked = req.index > 0  # its prompt was computed once, for choice 0: count it once
         return cls(
             request_id=req.request_id,
             session_id=req.session_id,
             finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_prompt_tokens=0 if forked else req.num_prompt_tokens,
+            num_cached_tokens=0 if forked else max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
             num_preemptions=req.num_preemptions,
             timings=copy.copy(req.timings),
@@ -81,6 +96,18 @@ class EngineListener(Protocol):
 
     def on_finished(self, stats: FinishedRequestStats) -> None:
         """The request ended (any reason)."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """The last step as the policy saw it, for /metrics."""
+
+    prefill_tokens: int = 0  # the budget it chose (prefill tokens granted)
+    decodes: int = 0
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+    itl_target_s: float | None = None
+    model_error: float = 0.0  # the cost model's mean relative error, recent steps
 
 
 @dataclass(frozen=True)
@@ -112,6 +139,7 @@ class EngineStats:
     pinned_blocks: int
     session_unpins: dict[str, int]
     steps: int
+    step: StepReport | None = None  # the last step: budget, predicted and measured time
     replicas: tuple[ReplicaStats, ...] = ()  # empty for one engine in this process
     routing: dict[str, int] = field(default_factory=dict)  # decisions by kind (affine, ...)
 

@@ -44,7 +44,9 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         routing_key: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes; leaving early aborts it.
+        """Stream a request's outputs until it finishes; leaving early aborts it. With
+        params.n > 1 the outputs of its n choices interleave, told apart by their `index`,
+        and the stream ends when every choice has finished.
 
         Raises BadParameter / ContextTooLong (before anything is queued), Overloaded
         when the queue is full, EngineDead when nothing can serve it. A `session_id` keeps

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,9 +20,32 @@ from app.engine.errors import BadParameter
 
 if TYPE_CHECKING:
     from app.engine.detokenizer import IncrementalDetokenizer
+    from app.engine.logprobs import Logprob
+    from app.engine.structured import Grammar
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_N = 128  # OpenAI's limit; the engine also keeps n within max_num_seqs
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A constraint on the reply's text, applied as a token mask while sampling
+    (app.engine.structured): "json_object" (any JSON object) or "json_schema" (`schema`, a
+    JSON Schema as JSON text, followed strictly)."""
+
+    kind: str
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema"):
+            raise BadParameter(
+                f"response_format type must be json_object or json_schema, not {self.kind!r}",
+                "response_format",
+            )
+        if (self.kind == "json_schema") != (self.schema is not None):
+            raise BadParameter("a json_schema response_format needs its schema", "response_format")
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Choices sharing the prompt: computed once, its blocks shared (see LLMEngine). Choice
+    # i samples with its own generator, seeded `seed + i` when a seed is given.
+    n: int = 1
+    # Log-probabilities of each sampled token and its `logprobs` most likely alternatives
+    # (None: not computed; 0: the sampled token only), and the same for every prompt token
+    # but the first (`prompt_logprobs`). From the model's logits in fp32, before
+    # logit_bias, penalties, temperature, filters and any response_format mask.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    # Added to the logits of these token ids before sampling: ((token_id, bias), ...).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Draws of the seed's random stream already spent: a request that continues another's
     # output (a turn resumed after a restart) samples on from where that one stopped.
     seed_offset: int = 0
@@ -60,6 +95,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         self._validate()
 
     def _validate(self) -> None:
@@ -81,7 +120,29 @@ class SamplingParams:
 
         if self.max_tokens is not None:
             n = integer("max_tokens", self.max_tokens)
-            check(n >= 1, "max_tokens", f"must be at least 1, got {n}")
+            if self.prompt_logprobs is None:
+                check(n >= 1, "max_tokens", f"must be at least 1, got {n}")
+            else:  # scoring a prompt: its logprobs, nothing generated
+                check(n >= 0, "max_tokens", f"must be at least 0, got {n}")
+        n = integer("n", self.n)
+        check(1 <= n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None:
+                check(
+                    0 <= integer(name, k) <= MAX_LOGPROBS,
+                    name,
+                    f"must be in [0, {MAX_LOGPROBS}], got {k}",
+                )
+        if self.response_format is not None and not isinstance(
+            self.response_format, ResponseFormat
+        ):
+            raise BadParameter("response_format must be a ResponseFormat", "response_format")
+        for t_id, b in self.logit_bias:
+            check(integer("logit_bias", t_id) >= 0, "logit_bias", f"token ids must be >= 0: {t_id}")
+            check(
+                -100 <= number("logit_bias", b) <= 100, "logit_bias", f"must be in [-100, 100]: {b}"
+            )
         t = number("temperature", self.temperature)
         check(t >= 0, "temperature", f"must be >= 0, got {t}")
         check(0 < number("top_p", self.top_p) <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -127,6 +188,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: its own seed (seed + index). The prompt's
+        logprobs are choice 0's alone (the prompt is computed once)."""
+        if index == 0:
+            return self
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return replace(self, seed=seed, prompt_logprobs=None)
 
     @property
     def uses_penalties(self) -> bool:
@@ -213,6 +282,17 @@ class Request:
             # numbers drawn at once advance the generator exactly as n single draws do.
             torch.rand(params.seed_offset, generator=self.generator)
         self.detokenizer: IncrementalDetokenizer | None = None
+        # Choices of one prompt (params.n > 1): outputs and aborts go by the group id (the
+        # caller's id); choice 0 carries the others in `forks` until its prompt is computed,
+        # when they take its blocks by reference (Scheduler.update).
+        self.group_id = request_id
+        self.index = 0
+        self.forks: list[Request] = []
+        self.logprobs: list[Logprob] = []  # one per output token, when params.logprobs
+        # One per prompt token, the first None, when params.prompt_logprobs; filled as the
+        # prompt's chunks are computed.
+        self.prompt_logprobs: list[Logprob | None] = [None]
+        self.grammar: Grammar | None = None  # the response_format's matcher
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from app.engine.request import SamplingParams
+from app.engine.structured import TokenMasks
 
 # Cumulative probabilities within this of top_p count as reaching it: softmax and cumsum
 # in float32 are off by a few ulps, and a tie must not decide on rounding noise.
@@ -77,6 +78,24 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> No
     flat.index_add_(0, keys, -(presence[row] + frequency[row] * counts).to(flat.dtype))
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Add each row's logit_bias to `logits` [B, V] in place (OpenAI's logit_bias)."""
+    rows, tokens, biases = [], [], []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            rows.append(i)
+            tokens.append(t)
+            biases.append(b)
+    vocab = logits.shape[1]
+    if max(tokens) >= vocab:
+        raise ValueError(f"logit_bias names a token id outside the vocabulary of {vocab}")
+    logits.index_put_(
+        (torch.tensor(rows), torch.tensor(tokens)),
+        torch.tensor(biases, dtype=logits.dtype),
+        accumulate=True,
+    )
+
+
 def _keys(token_lists: Sequence[Sequence[int]], rows: list[int], vocab: int) -> torch.Tensor:
     """int64 [sum of lengths]: row * vocab + token for every token of every list, the lists
     belonging to batch rows `rows`."""
@@ -100,10 +119,19 @@ class Sampler:
     """Batched next-token selection. Stateless: each request's randomness lives in its
     own generator."""
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        masks: TokenMasks | None = None,
+    ) -> torch.Tensor:
         """logits: float32 [B, V], one row per state, in order (modified in place).
-        Returns int64 [B] token ids."""
+        `masks` forbid tokens in some rows (response_format). Returns int64 [B] token ids."""
         params = [s.params for s in states]
+        if masks is not None:
+            masks.apply(logits)  # first: a forbidden token stays -inf whatever comes next
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(logits, params)
         if any(p.uses_penalties for p in params):
             logits = logits.contiguous()  # a no-op unless the caller passed a strided view
             apply_penalties(logits, states)

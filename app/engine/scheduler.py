@@ -5,13 +5,13 @@ Each step the scheduler hands out up to `max_num_batched_tokens` tokens:
 1. decodes first: every running request with one token left gets it (steady inter-token
    latency for the conversations already talking);
 2. then running requests that are part-way through their prompt (chunked prefill);
-3. then new requests from the waiting queue, in arrival order, while the budget,
-   `max_num_seqs` and free blocks allow. A new request first takes whatever prefix of
-   it the prefix cache holds.
+3. then new requests from the waiting queue, in the order the policy picks (shortest
+   prompt first with aging, or arrival order), while the budget, `max_num_seqs` and free
+   blocks allow. A new request first takes whatever prefix of it the prefix cache holds.
 
-While anything decodes, a prefill chunk is capped (see SchedulerConfig and _chunk): every
+While anything decodes, the policy sizes each prefill chunk (app.engine.policy): every
 decoder waits for the whole step, so a long prompt must arrive in bites small enough to
-keep their inter-token latency even. When blocks run out, idle sessions lose their pins
+keep their inter-token latency near its target. When blocks run out, idle sessions lose their pins
 first (least recently active first), then the newest running request is preempted:
 its blocks are freed (their hashes stay, so its recompute is mostly cache hits) and it goes
 back to the front of the waiting queue.
@@ -24,14 +24,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from app.config import SchedulerConfig
+from app.engine.cost_model import StepShape
 from app.engine.kv_manager import ComputedPrefix, KVCacheManager
+from app.engine.outputs import StepReport
+from app.engine.policy import BatchPolicy, make_policy
 from app.engine.request import FinishReason, Request, RequestStatus
 
-# A prompt token attending to this many earlier tokens costs about twice one attending to
-# none (measured for SmolLM2-135M on 2 CPU cores: ~1.1 ms of matmuls per token, ~0.9 us
-# of attention per token of context). Chunks shrink as their context grows, so a step
-# that carries one costs about the same early and late in a long prompt.
-CONTEXT_COST_TOKENS = 1024
+# A request that wants its prompt's logprobs gets logits for every prompt token: chunks of
+# at most this many tokens keep those logits (tokens x vocabulary floats) to ~50 MB.
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class ScheduledRequest:
     num_tokens: int
     samples: bool  # the step reaches the request's last known token: it samples
     block_ids: list[int]
+    # Choices of the same prompt that sample from this step's logits too and then take
+    # the request's blocks by reference (its prompt's last chunk, n > 1).
+    forks: tuple[Request, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -60,6 +64,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    shape: StepShape = field(default_factory=StepShape)  # what the cost model sees
+    # (source, destination) block ids to copy before the forward pass: copy on write.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -80,9 +87,13 @@ class SchedulerStats:
 class Scheduler:
     """Decides, each step, which requests compute how many tokens."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, kv: KVCacheManager, policy: BatchPolicy | None = None
+    ) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.policy = policy or make_policy(cfg)
+        self.last_step = StepReport()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: newest last
         self.stats = SchedulerStats()
@@ -98,34 +109,37 @@ class Scheduler:
         # 1. Decodes, oldest first. 2. Prefills already under way.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        shape = StepShape()
         for req in decodes:
             if req.status is RequestStatus.RUNNING and self._grant(req, 1, out, scheduled):
                 budget -= 1
-        decoding = bool(out.scheduled)
+                shape = shape.plus_decode(req.num_tokens)
         prefill_budget = budget
         for req in prefills:
             if prefill_budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted by an earlier request of this step
-            n = self._chunk(req.num_computed_tokens, req.num_tokens, prefill_budget, decoding)
-            if self._grant(req, n, out, scheduled):
+            start = req.num_computed_tokens
+            n = self._chunk(shape, req, start, prefill_budget)
+            if n and self._grant(req, n, out, scheduled):
                 prefill_budget -= n
+                shape = shape.plus_prefill(n, start)
 
-        # 3. Admissions, unless memory was short this step.
-        while (
-            self.waiting
-            and not out.preempted
-            and prefill_budget > 0
-            and len(self.running) < self.cfg.max_num_seqs
-        ):
-            req = self.waiting[0]
+        # 3. Admissions, unless memory was short this step. A request with choices to fork
+        # needs a seat for each of them.
+        seats = len(self.running) + sum(len(r.forks) for r in self.running)
+        while self.waiting and not out.preempted and prefill_budget > 0:
+            index = self.policy.next_index(self.waiting)
+            req = self.waiting[index]
+            if seats + 1 + len(req.forks) > self.cfg.max_num_seqs:
+                break
             computed = self.kv.get_computed(req)
             num_hit = computed.num_tokens
-            n = self._chunk(num_hit, req.num_tokens, prefill_budget, decoding)
-            if not self._allocate(req, n, computed):
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            n = self._chunk(shape, req, num_hit, prefill_budget)
+            if not n or not self._allocate(req, n, computed):
+                break  # nobody overtakes the request the policy chose
+            del self.waiting[index]
             if req.session_id is not None:
                 self.kv.pins.consume(req.session_id)
             if req.num_cached_tokens < 0:
@@ -142,18 +156,36 @@ class Scheduler:
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = time.monotonic()
             self.running.append(req)
+            seats += 1 + len(req.forks)
             self._emit(req, n, out, scheduled)
             prefill_budget -= n
+            shape = shape.plus_prefill(n, num_hit)
+        out.shape = shape
+        out.block_copies = self.kv.take_copies()
         self.stats.steps += 1
         return out
 
-    def _chunk(self, start: int, end: int, budget: int, decoding: bool) -> int:
-        """Tokens to prefill this step for a prompt computed up to `start` of `end`."""
-        n = min(end - start, budget)
-        if decoding:
-            cap = self.cfg.prefill_chunk_while_decoding / (1 + start / CONTEXT_COST_TOKENS)
-            n = min(n, max(1, int(cap)))
+    def _chunk(self, shape: StepShape, req: Request, start: int, budget: int) -> int:
+        """Tokens to prefill this step of `req`'s prompt, computed up to `start`, in a
+        step that already holds `shape`: the policy's call."""
+        waiting = len(self.waiting)
+        n = self.policy.prefill_tokens(shape, start, req.num_tokens - start, budget, waiting)
+        if req.params.prompt_logprobs is not None:
+            n = min(n, PROMPT_LOGPROBS_CHUNK)
         return n
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The step `out` took `seconds` to run: the cost model learns from it."""
+        predicted = self.policy.cost.predict(out.shape)
+        self.policy.observe(out.shape, seconds)
+        self.last_step = StepReport(
+            out.shape.prefill_tokens,
+            out.shape.decodes,
+            predicted,
+            seconds,
+            self.policy.itl_target_s(),
+            self.policy.cost.abs_error,
+        )
 
     def _allocate(self, req: Request, n: int, computed: ComputedPrefix | None = None) -> bool:
         """allocate_slots, unpinning idle sessions (least recently active first) while
@@ -184,9 +216,9 @@ class Scheduler:
     def _emit(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[str]) -> None:
         start = req.num_computed_tokens
         block_ids = self.kv.block_ids(req.request_id)
-        out.scheduled.append(
-            ScheduledRequest(req, start, n, start + n == req.num_tokens, block_ids)
-        )
+        samples = start + n == req.num_tokens
+        forks = tuple(req.forks) if samples else ()
+        out.scheduled.append(ScheduledRequest(req, start, n, samples, block_ids, forks))
         scheduled.add(req.request_id)
 
     def _preempt(self, req: Request) -> None:
@@ -205,6 +237,22 @@ class Scheduler:
                 continue  # failed during the step; its blocks are gone
             s.request.num_computed_tokens = s.start + s.num_tokens
             self.kv.cache_full_blocks(s.request)
+            if s.forks:
+                self._fork(s.request, s.forks)
+
+    def _fork(self, parent: Request, forks: tuple[Request, ...]) -> None:
+        """The parent's prompt is computed: its other choices take its blocks by
+        reference and run from here (their first tokens were sampled this step)."""
+        for child in forks:
+            if child.is_finished:
+                continue  # aborted before its prompt was computed
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.timings.first_scheduled = parent.timings.first_scheduled
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.forks = []
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Stop a request for good (any status). Its blocks are freed, or become its
@@ -215,8 +263,9 @@ class Scheduler:
                 self.kv.free(req)
             else:
                 self.kv.free_or_pin(req)
-        elif req.status is RequestStatus.WAITING:
+        elif req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)  # holds no blocks; its session keeps its old pin
+        # (A choice not yet forked is in neither queue: it holds nothing.)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.timings.finished = time.monotonic()

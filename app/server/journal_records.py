@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 from app.chat.prompt import Message
-from app.engine.request import SamplingParams
+from app.engine.request import ResponseFormat, SamplingParams
 
 VERSION = 1
 
@@ -43,7 +43,7 @@ class TurnRecord:
                 "conversation_id": self.conversation_id,
                 "turn_id": self.turn_id,
                 "messages": [m.to_dict() for m in self.messages],
-                "params": {f.name: getattr(self.params, f.name) for f in fields(SamplingParams)},
+                "params": asdict(self.params),  # nested dataclasses become objects too
                 "cache": self.cache,
                 "cache_salt": self.cache_salt,
                 "prompt": self.prompt_ids,
@@ -55,14 +55,13 @@ class TurnRecord:
     @classmethod
     def from_json(cls, text: str | bytes) -> TurnRecord:
         d = json.loads(text)
-        known = {f.name for f in fields(SamplingParams)}
         return cls(
             tenant=d["tenant"],
             owner=d["owner"],
             conversation_id=d["conversation_id"],
             turn_id=d["turn_id"],
             messages=[Message(m["role"], m["content"]) for m in d["messages"]],
-            params=SamplingParams(**{k: v for k, v in d["params"].items() if k in known}),
+            params=_params(d["params"]),
             cache=d["cache"],
             cache_salt=d["cache_salt"],
             prompt_ids=list(d["prompt"]),
@@ -118,3 +117,12 @@ def read_record(entry: JournalEntry, items: list[bytes]) -> RecoveredTurn:
             raise ValueError(f"frame {item['s']} recorded out of order")
         texts.append(item["t"])
     return RecoveredTurn(entry, record, texts, ids, start, end, ok)
+
+
+def _params(values: dict) -> SamplingParams:
+    """SamplingParams back from their JSON (fields this version does not know are left out)."""
+    known = {f.name for f in fields(SamplingParams)}
+    kwargs = {k: v for k, v in values.items() if k in known}
+    if isinstance(kwargs.get("response_format"), dict):
+        kwargs["response_format"] = ResponseFormat(**kwargs["response_format"])
+    return SamplingParams(**kwargs)

@@ -135,6 +135,31 @@ class _EngineCollector(Collector):
         for reason in ("pressure", "ttl", "released"):
             unpins.add_metric([reason], s.session_unpins.get(reason, 0))
         yield unpins
+        if s.step is not None:  # the batching policy's last step (app.engine.policy)
+            yield GaugeMetricFamily(
+                P + "step_prefill_tokens",
+                "Prefill tokens the batching policy granted the last step (its budget).",
+                s.step.prefill_tokens,
+            )
+            times = GaugeMetricFamily(
+                P + "step_time_seconds",
+                "The last step's time: predicted by the cost model, and measured.",
+                labels=["kind"],
+            )
+            times.add_metric(["predicted"], s.step.predicted_s)
+            times.add_metric(["measured"], s.step.measured_s)
+            yield times
+            yield GaugeMetricFamily(
+                P + "step_cost_model_error",
+                "Mean relative error of the step-cost model over recent steps.",
+                s.step.model_error,
+            )
+            if s.step.itl_target_s is not None:
+                yield GaugeMetricFamily(
+                    P + "itl_target_seconds",
+                    "The inter-token target that sizes prefill chunks beside decodes.",
+                    s.step.itl_target_s,
+                )
         if s.replicas:  # engine replicas (app.cluster): load each, and routing decisions
             live = GaugeMetricFamily(P + "replica_up", "Replica answering (1) or not (0).",
                                      labels=["replica"])  # fmt: skip

@@ -19,83 +19,26 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.chat.prompt import ChatPrompt, Message
-from app.engine.errors import BadParameter
+from app.chat.prompt import ChatPrompt
+from app.chat.tools import supports_tools
 from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
-from app.engine.request import FinishReason, SamplingParams
+from app.engine.request import SamplingParams
 from app.server.errors import ENGINE_ERRORS, APIError, api_error
-from app.server.params import PARAMS, sampling_params
+from app.server.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from app.server.openai_request import bad, chat_messages, request_params, tool_use
+from app.server.openai_response import Responder, Shape, TokenTexts
 from app.server.security import Principal
 
 MAX_BODY_BYTES = 4 << 20
 INLINE_RENDER_CHARS = 8192  # longer chats are rendered and tokenized off the event loop
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-# -- request parsing -----------------------------------------------------------------------
-
-
-def request_params(body: dict[str, Any], max_tokens_limit: int) -> SamplingParams:
-    """SamplingParams from an OpenAI request body (the shared parser, with OpenAI's
-    spellings). Raises APIError(400) naming the field."""
-    values = {key: body.get(key) for key in PARAMS}
-    param = "max_tokens"
-    if body.get("max_completion_tokens") is not None:
-        values["max_tokens"] = body["max_completion_tokens"]
-        param = "max_completion_tokens"
-    n = body.get("n", 1)
-    if n != 1:
-        raise bad("only n=1 is supported", "n")
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
-        raise bad("logprobs and echo are not supported", "logprobs")
-    try:
-        return sampling_params(values, max_tokens_limit)
-    except BadParameter as exc:
-        name = param if exc.name == "max_tokens" else exc.name
-        message = str(exc).replace("max_tokens", name, 1) if name else str(exc)
-        raise bad(message, name) from None
-
-
-def chat_messages(body: dict[str, Any]) -> list[Message]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object", "messages")
-        role = m.get("role")
-        if role == "developer":
-            role = "system"  # OpenAI's newer name for the system role
-        if role not in ("system", "user", "assistant"):
-            raise bad(f"messages[{i}].role must be system, user or assistant", "messages")
-        out.append(Message(role, _content(m.get("content"), i)))
-    return out
-
-
-def _content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-            if not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content[].text must be a string", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
 # -- the API -------------------------------------------------------------------------------
@@ -110,6 +53,9 @@ class OpenAIAPI:
         self.model_name = engine.info.name
         self.max_tokens_limit = engine.info.max_model_len - 1
         self.cache_salt = cache_salt  # Principal -> salt or None (tenant isolation)
+        self.tokenizer = engine.info.tokenizer
+        self.template_has_tools = supports_tools(self.tokenizer)
+        self.texts = TokenTexts(self.tokenizer)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(
@@ -122,18 +68,21 @@ class OpenAIAPI:
         )
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await self._body(request)
-        params = request_params(body, self.max_tokens_limit)
-        messages = chat_messages(body)
+        body = await self._body(request, CHAT_FIELDS)
+        tools = tool_use(body, self.template_has_tools)
+        params = request_params(body, self.max_tokens_limit, chat=True, tools=tools)
+        messages = chat_messages(body, self.template_has_tools)
+        definitions = tools.tools if tools else None
         if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:
-            prompt_ids = await asyncio.to_thread(self.prompt.render, messages)
+            prompt_ids = await asyncio.to_thread(self.prompt.render, messages, None, definitions)
         else:
-            prompt_ids = self.prompt.render(messages)
-        return await self._complete(request, body, prompt_ids, params, chat=True)
+            prompt_ids = self.prompt.render(messages, None, definitions)
+        shape = Shape(chat=True, n=params.n, logprobs=params.logprobs is not None, tools=tools)
+        return await self._complete(request, body, prompt_ids, params, shape)
 
     async def completions(self, request: Request) -> Response:
-        body = await self._body(request)
-        params = request_params(body, self.max_tokens_limit)
+        body = await self._body(request, COMPLETION_FIELDS)
+        params = request_params(body, self.max_tokens_limit, chat=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -143,9 +92,18 @@ class OpenAIAPI:
             prompt_ids = prompt
         else:
             raise bad("'prompt' must be a non-empty string (one prompt per request)", "prompt")
-        return await self._complete(request, body, prompt_ids, params, chat=False)
+        shape = Shape(chat=False, n=params.n, logprobs=params.logprobs is not None)
+        if body.get("echo"):
+            if isinstance(prompt_ids, str):
+                prompt_ids = self.tokenizer.encode(prompt_ids, add_special_tokens=False)
+            shape.prompt_ids = list(prompt_ids)
+            shape.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+            if params.max_tokens == 0 and params.n > 1:
+                # Nothing is sampled: the n choices are one scoring pass, repeated.
+                shape.replicas, params = params.n, replace(params, n=1)
+        return await self._complete(request, body, prompt_ids, params, shape)
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def _body(self, request: Request, fields) -> dict[str, Any]:
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
@@ -155,6 +113,7 @@ class OpenAIAPI:
             raise bad("the body is not valid JSON") from None
         if not isinstance(body, dict):
             raise bad("the body must be a JSON object")
+        check_fields(body, fields)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(
@@ -166,7 +125,7 @@ class OpenAIAPI:
         return body
 
     async def _complete(
-        self, request: Request, body: dict, prompt, params: SamplingParams, chat: bool
+        self, request: Request, body: dict, prompt, params: SamplingParams, shape: Shape
     ) -> Response:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -174,22 +133,24 @@ class OpenAIAPI:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise bad("'stream_options' must be an object", "stream_options")
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise bad("'user' must be a string", "user")
+        hint = body.get("prompt_cache_key") or body.get("user")  # where its K/V is
+        for name in ("prompt_cache_key", "user"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise bad(f"'{name}' must be a string", name)
         outputs = self.engine.generate(
             prompt,
             params,
             "api-" + uuid.uuid4().hex,
             cache_salt=self.cache_salt(request.user),
-            routing_key=f"user:{user}" if user else None,  # several replicas: its K/V's home
+            routing_key=f"user:{hint}" if hint else None,  # several replicas: its K/V's home
         )
-        kind = "chat.completion" if chat else "text_completion"
+        chat = shape.chat
         meta = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),
             "model": self.model_name,
         }
+        responder = Responder(meta, shape, self.texts)
         prompt_param = "messages" if chat else "prompt"
 
         async def respond() -> Response:
@@ -199,9 +160,9 @@ class OpenAIAPI:
                 raise api_error(exc, prompt_param) from None
             if stream:
                 include_usage = bool(options.get("include_usage"))
-                events = _sse(meta, kind, first, outputs, chat, include_usage)
+                events = responder.events(first, outputs, include_usage)
                 return StreamingResponse(events, media_type="text/event-stream")
-            return await _collect(meta, kind, first, outputs, chat)
+            return await responder.collect(first, outputs)
 
         # From acceptance on, a client that leaves aborts its request: while it queues,
         # while its prompt is computed, and (non-streaming) until the whole reply is ready.
@@ -234,39 +195,6 @@ def routes() -> list[Route]:
     ]
 
 
-def _finish_reason(out: RequestOutput) -> str | None:
-    if out.finish_reason is None:
-        return None
-    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(
-        out.finish_reason, str(out.finish_reason)
-    )
-
-
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    return {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "total_tokens": out.prompt_tokens + out.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
-    }
-
-
-async def _collect(meta, kind, first, outputs, chat: bool) -> Response:
-    text, last = first.new_text, first
-    async for out in outputs:
-        text += out.new_text
-        last = out
-    if last.finish_reason is FinishReason.ERROR:
-        return APIError(500, "the engine failed this request", "server_error").response()
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(last)}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-        choice["logprobs"] = None
-    return JSONResponse({**meta, "object": kind, "choices": [choice], "usage": _usage(last)})
-
-
 async def _until_disconnected(
     request: Request, work: Awaitable[Response], outputs: AsyncIterator[RequestOutput]
 ) -> Response:
@@ -292,41 +220,3 @@ async def _until_disconnected(
         await task
     await outputs.aclose()  # a stream never started is closed here: the abort is sent
     return Response(status_code=499)  # nobody is listening
-
-
-async def _sse(meta, kind, first, outputs, chat: bool, include_usage: bool):
-    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
-        payload = {**meta, "object": chunk_kind, "choices": choices, **extra}
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    def choice(out: RequestOutput, text: str) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "finish_reason": None}
-        if chat:
-            c["delta"] = {"content": text} if text else {}
-        else:
-            c["text"] = text
-            c["logprobs"] = None
-        return c
-
-    if chat:
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield event([role])
-    last = first
-    if first.new_text:
-        yield event([choice(first, first.new_text)])
-    async for out in outputs:  # leaving early (client gone) closes this: the request aborts
-        last = out
-        if out.new_text:
-            yield event([choice(out, out.new_text)])
-    if last.finish_reason is FinishReason.ERROR:
-        error = {"message": "the engine failed this request", "type": "server_error"}
-        yield f"data: {json.dumps({'error': error})}\n\n"
-    else:
-        final = choice(last, "")
-        final["finish_reason"] = _finish_reason(last)
-        yield event([final])
-        if include_usage:
-            yield event([], usage=_usage(last))
-    yield "data: [DONE]\n\n"

@@ -29,9 +29,12 @@ PARAMS: dict[str, tuple[type, ...]] = {
 }
 
 
-def sampling_params(values: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
+def sampling_params(
+    values: Mapping[str, Any], max_tokens_limit: int, extra: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """SamplingParams from the parameters in `values` (keys of PARAMS; None = default).
-    `max_tokens_limit` is the longest reply the context allows. Raises BadParameter."""
+    `max_tokens_limit` is the longest reply the context allows. `extra`: fields a
+    protocol parsed itself (/v1's n, logprobs, response_format...). Raises BadParameter."""
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         if value is None:
@@ -53,4 +56,4 @@ def sampling_params(values: Mapping[str, Any], max_tokens_limit: int) -> Samplin
     max_tokens = kwargs.get("max_tokens")
     if max_tokens is not None and max_tokens > max_tokens_limit:
         raise BadParameter(f"max_tokens is limited to {max_tokens_limit} here", "max_tokens")
-    return SamplingParams(**kwargs)  # range checks: BadParameter naming the field
+    return SamplingParams(**kwargs, **(extra or {}))  # range checks: BadParameter naming it

@@ -68,8 +68,11 @@ def test_a_one_token_prefill_chunk_does_not_sample(tokenizer):
     shared=st.sampled_from([0, 16, 32, 40]),
     tails=st.lists(st.integers(1, 24), min_size=2, max_size=4),
     warm=st.booleans(),
+    batching=st.sampled_from(["static", "adaptive"]),
 )
-def test_any_budget_and_cached_prefix_equals_alone(tokenizer, budget, shared, tails, warm):
+def test_any_budget_and_cached_prefix_equals_alone(
+    tokenizer, budget, shared, tails, warm, batching
+):
     """Prompts sharing a prefix, admitted together under a small budget, with or without
     the prefix already cached: every reply equals the prompt's reply alone."""
     prefix = tokens(shared, seed=1)
@@ -79,6 +82,7 @@ def test_any_budget_and_cached_prefix_equals_alone(tokenizer, budget, shared, ta
         max_num_batched_tokens=budget,
         max_num_seqs=4,
         prefill_chunk_while_decoding=max(1, budget // 3),
+        batching=batching,
     )
     if warm:
         engine.add_request("warm", prompts[0], GREEDY)

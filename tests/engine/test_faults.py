@@ -17,7 +17,7 @@ def test_a_failing_sampler_row_fails_only_its_request(tokenizer):
     engine = tiny_engine(tokenizer)
     real = engine.runner.sampler
 
-    def sampler(logits, states):
+    def sampler(logits, states, masks=None):
         if any(s.params.seed == 666 for s in states):
             raise RuntimeError("boom")
         return real(logits, states)

@@ -11,7 +11,10 @@ BS = 4  # tokens per block
 
 
 def make(num_blocks=64, **cfg) -> Scheduler:
-    defaults = dict(max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_while_decoding=32)
+    defaults = dict(
+        max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_while_decoding=32,
+        batching="static",
+    )  # fmt: skip
     defaults.update(cfg)
     return Scheduler(SchedulerConfig(**defaults), KVCacheManager(BlockPool(num_blocks), BS))
 

@@ -1,5 +1,7 @@
 """A fake engine behind EngineClient (AsyncEngine's surface): canned replies, fast
-protocol tests."""
+protocol tests. It follows the surface's every promise that a web test can see: n choices
+told apart by index, logprobs when asked (made up: -0.5 each, top alternatives -1, -2, ...),
+the prompt's logprobs on choice 0's first output, max_tokens 0 for scoring."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import time
 
 from app.engine.errors import ContextTooLong, EngineDead
+from app.engine.logprobs import Logprob
 from app.engine.outputs import EngineStats, ModelInfo, RequestOutput
 from app.engine.request import FinishReason, SamplingParams, Timings
 
@@ -88,34 +91,57 @@ class FakeEngine:
         self.prompts[request_id] = list(prompt)
         self.params[request_id] = params
         words = (self.reply or f"reply to {len(prompt)} tokens").split(" ")
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
         timings = Timings()
-        n = 0
+        scored = None
+        if params.prompt_logprobs is not None:
+            scored = [None] + [self._logprob(t, params.prompt_logprobs) for t in prompt[1:]]
+        if params.max_tokens == 0:
+            yield self._out(request_id, prompt, "", 0, True, FinishReason.LENGTH, timings,
+                            0, None, scored)  # fmt: skip
+            self.live.discard(request_id)
+            return
+        counts = [0] * params.n
         try:
             for i, word in enumerate(words[: params.max_tokens]):
                 await asyncio.sleep(self.delay)
                 if request_id in self.aborted:
                     break
-                n += 1
                 timings.first_token = timings.first_token or time.monotonic()
-                last = i == len(words) - 1 or n == params.max_tokens
+                last = i == len(words) - 1 or i + 1 == params.max_tokens
                 if last:
                     timings.finished = time.monotonic()
-                yield self._out(
-                    request_id,
-                    prompt,
-                    word if i == 0 else " " + word,
-                    n,
-                    last,
-                    FinishReason.STOP if last else None,
-                    timings,
-                )
+                for index in range(params.n):
+                    counts[index] += 1
+                    yield self._out(
+                        request_id,
+                        prompt,
+                        word if i == 0 else " " + word,
+                        counts[index],
+                        last,
+                        FinishReason.STOP if last else None,
+                        timings,
+                        index,
+                        params.logprobs,
+                        scored if i == 0 and index == 0 else None,
+                    )
                 if last:
                     return
             timings.finished = time.monotonic()
-            yield self._out(request_id, prompt, "", n, True, FinishReason.ABORT, timings)
+            for index in range(params.n):
+                yield self._out(request_id, prompt, "", counts[index], True, FinishReason.ABORT,
+                                timings, index)  # fmt: skip
         finally:
             self.live.discard(request_id)
 
-    def _out(self, rid, prompt, text, n, finished, reason, timings) -> RequestOutput:
+    @staticmethod
+    def _logprob(token_id: int, k: int) -> Logprob:
+        return Logprob(token_id, -0.5, tuple((token_id + j, -1.0 - j) for j in range(k)))
+
+    def _out(self, rid, prompt, text, n, finished, reason, timings, index=0, logprobs=None,
+             scored=None) -> RequestOutput:  # fmt: skip
         ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
-        return RequestOutput(rid, text, ids, finished, reason, len(prompt), 0, n, timings)
+        lps = None if logprobs is None else [self._logprob(t, logprobs) for t in ids]
+        return RequestOutput(rid, text, ids, finished, reason, len(prompt), 0, n, timings,
+                             index, lps, scored)  # fmt: skip

@@ -74,7 +74,7 @@ API_CASES = {
     "top_k < 0": ({"top_k": -1}, 400, "top_k"),
     "non-integer seed": ({"seed": 1.5}, 400, "seed"),
     "stop list too long": ({"stop": [f"s{i}" for i in range(17)]}, 400, None),
-    "n > 1": ({"n": 3}, 400, "n"),
+    "n over the limit": ({"n": 129}, 400, "n"),
     "unknown model": ({"model": "gpt-17"}, 404, "model"),
     "body over the limit": (b"{" + b" " * (5 << 20) + b"}", 413, None),
 }

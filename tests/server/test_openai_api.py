@@ -135,7 +135,7 @@ def test_growing_conversation_comes_from_cache(client):
         ({"temperature": -1}, "temperature"),
         ({"top_p": 2}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
         ({"stop": [1, 2]}, "stop"),
     ],
 )

@@ -1,0 +1,153 @@
+"""How much prefill a step takes, and which waiting request comes next. The scheduler
+asks; the policy never allocates. Two policies: StaticPolicy (fixed constants, first come
+first served: `--batching static`) and AdaptivePolicy (the default), below.
+
+Budget (Sarathi-Serve's stall-free batching, with the budget from a measured cost model
+instead of a constant): while requests decode, every one of them waits for the whole
+step, so a step takes as many prefill tokens as keep its predicted time within the
+inter-token target. With nothing decoding, a prompt takes the whole token budget (time
+to first token as good as one forward). A deep queue stretches the target up to
+DRAIN_STRETCH times: a short wait for those decoding drains the queue sooner.
+
+Admission order: shortest remaining prefill first, so a short question is not held
+behind a 2,000-token paste, with aging: a request that has waited more than
+AGING_MULTIPLE times its own predicted prefill time, plus AGING_FLOOR_S, becomes urgent,
+and urgent requests go first in arrival order. The bound: a request waits at most
+AGING_MULTIPLE x its own prefill time + AGING_FLOOR_S before it is urgent, and after that
+only requests that arrived before it go first, as they would first come, first served.
+A preempted request is urgent at once (it has made progress to lose).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from app.config import SchedulerConfig
+from app.engine.cost_model import StepCostModel, StepShape
+from app.engine.request import Request
+
+AUTO_TARGET_FACTOR = 1.5  # auto target: this x the recent decode-only step time
+DEFAULT_TARGET_S = 0.1  # until a decode-only step has been measured
+DRAIN_STRETCH = 2.0
+AGING_MULTIPLE = 4.0
+AGING_FLOOR_S = 2.0
+MIN_CHUNK = 16  # a prompt always progresses beside decodes, whatever the target
+
+
+# A prompt token attending to this many earlier tokens costs about twice one attending to
+# none (SmolLM2-135M on 2 CPU cores): the static policy's chunks shrink as their context
+# grows, so a step that carries one costs about the same early and late in a long prompt.
+CONTEXT_COST_TOKENS = 1024
+
+
+class StaticPolicy:
+    """Fixed rules: beside decodes, a prompt chunk of at most
+    `prefill_chunk_while_decoding / (1 + context / CONTEXT_COST_TOKENS)` tokens; admission
+    in arrival order. Steps are timed all the same (for /metrics)."""
+
+    def __init__(self, cfg: SchedulerConfig, cost: StepCostModel | None = None) -> None:
+        self.cfg = cfg
+        self.cost = cost or StepCostModel()
+        self.last_budget = 0
+
+    def itl_target_s(self) -> float | None:
+        return None
+
+    def prefill_tokens(
+        self, step: StepShape, computed: int, remaining: int, budget: int, queue_depth: int
+    ) -> int:
+        n = min(remaining, budget)
+        if step.decodes:
+            cap = self.cfg.prefill_chunk_while_decoding / (1 + computed / CONTEXT_COST_TOKENS)
+            n = min(n, max(1, int(cap)))
+        return n
+
+    def observe(self, step: StepShape, seconds: float) -> None:
+        self.cost.observe(step, seconds)
+
+    def next_index(self, waiting: Sequence[Request], now: float | None = None) -> int:
+        return 0
+
+
+class AdaptivePolicy:
+    """Per-step prefill budgets and the admission order, from a StepCostModel."""
+
+    def __init__(self, cfg: SchedulerConfig, cost: StepCostModel | None = None) -> None:
+        self.cfg = cfg
+        self.cost = cost or StepCostModel()
+        self._decode_steps: deque[float] = deque(maxlen=64)  # decode-only step seconds
+
+    # -- the budget --------------------------------------------------------------------
+
+    def itl_target_s(self) -> float:
+        """The inter-token target: the flag's, or AUTO_TARGET_FACTOR x the recent
+        decode-only step time."""
+        if self.cfg.itl_target_ms is not None:
+            return self.cfg.itl_target_ms / 1000
+        if not self._decode_steps:
+            return DEFAULT_TARGET_S
+        return AUTO_TARGET_FACTOR * statistics.median(self._decode_steps)
+
+    def step_target_s(self, queue_depth: int) -> float:
+        stretch = 1 + (DRAIN_STRETCH - 1) * min(1.0, queue_depth / self.cfg.max_num_seqs)
+        return self.itl_target_s() * stretch
+
+    def prefill_tokens(
+        self, step: StepShape, computed: int, remaining: int, budget: int, queue_depth: int
+    ) -> int:
+        """Tokens of a prompt (computed up to `computed`, `remaining` to go) to add to a
+        step already holding `step`, within the step's token `budget`."""
+        most = min(remaining, budget)
+        if most <= 0:
+            return 0
+        if step.decodes == 0:
+            return most  # nobody waits on this step's time
+        target = self.step_target_s(queue_depth)
+        if self.cost.predict(step.plus_prefill(most, computed)) <= target:
+            return most
+        # The largest chunk within the target (cost grows with n: binary search).
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost.predict(step.plus_prefill(mid, computed)) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        return max(lo, min(MIN_CHUNK, most))
+
+    def observe(self, step: StepShape, seconds: float) -> None:
+        """A step took `seconds` (the engine measures every step)."""
+        self.cost.observe(step, seconds)
+        if step.decodes and not step.prefill_tokens:
+            self._decode_steps.append(seconds)
+
+    # -- the order ---------------------------------------------------------------------
+
+    def prefill_seconds(self, request: Request) -> float:
+        """Predicted time to compute what is left of the request's prompt alone."""
+        left = request.num_tokens - request.num_computed_tokens
+        return self.cost.predict(StepShape(prefill_tokens=left, context=left * left // 2))
+
+    def is_urgent(self, request: Request, now: float) -> bool:
+        if request.num_preemptions:
+            return True
+        waited = now - request.timings.arrival
+        return waited > AGING_MULTIPLE * self.prefill_seconds(request) + AGING_FLOOR_S
+
+    def next_index(self, waiting: Sequence[Request], now: float | None = None) -> int:
+        """Index in `waiting` (arrival order) of the request to admit next."""
+        now = time.monotonic() if now is None else now
+        for i, request in enumerate(waiting):
+            if self.is_urgent(request, now):
+                return i  # the first urgent one: arrival order among them
+        return min(range(len(waiting)), key=lambda i: waiting[i].num_tokens)
+
+
+BatchPolicy = StaticPolicy | AdaptivePolicy
+
+
+def make_policy(cfg: SchedulerConfig) -> BatchPolicy:
+    return AdaptivePolicy(cfg) if cfg.batching == "adaptive" else StaticPolicy(cfg)

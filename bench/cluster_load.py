@@ -1,0 +1,129 @@
+"""Engine replicas on Ray against one process, on the same cores, under bench/ws_load.py.
+
+    python bench/cluster_load.py                   # 16 users x 6 turns, 2 replicas vs 1
+    python bench/cluster_load.py --users 8 --turns 4 --kill-after 20
+
+Runs the same ws_load workload (greedy, 64-token replies, the whole history every turn)
+against `python -m app --replicas 2 --threads 1` and against `python -m app --threads 2`,
+alternating, and reports prompt-token reuse and throughput as ratios. Then, with
+--kill-after S, once more against the replicas while one replica process is killed S
+seconds in: every turn must complete or end with a retryable error, none may hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(flags: list[str]) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *flags],
+        cwd=ROOT,
+        start_new_session=True,  # its Ray processes go with it
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start: {flags}")
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def replica_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "ray::Replica"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def load(url: str, args, out: Path, kill_after: float | None = None) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "ws_load.py"), "--url",
+           url.replace("http", "ws") + "/ws", "--users", str(args.users), "--turns",
+           str(args.turns), "--think", "0", "--out", str(out), "--timeout", "1800"]  # fmt: skip
+    client = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+    if kill_after is not None:
+        time.sleep(kill_after)
+        pids = replica_pids()
+        print(f"killing replica process {pids[0]} of {pids}", file=sys.stderr)
+        os.kill(pids[0], signal.SIGKILL)
+    client.wait()
+    return json.loads(out.read_text())["runs"]["reuse"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--kill-after", type=float, default=30.0, help="0: no kill run")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    kinds = {"replicas": ["--replicas", "2", "--threads", "1"], "single": ["--threads", "2"]}
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    for r in range(args.repeats):
+        for kind, flags in kinds.items() if r % 2 == 0 else reversed(kinds.items()):
+            proc, url = start(flags)
+            try:
+                runs[kind].append(load(url, args, tmp / f"{kind}-{r}.json"))
+            finally:
+                stop(proc)
+    for kind, results in runs.items():
+        s = results[-1]
+        print(f"{kind:9s} turns {s['turns']}/{s['turns_started']} in {s['wall_s']:.1f} s, "
+              f"{s['output_tok_s']:.1f} tok/s, reused {s['cached_tokens']}/{s['prompt_tokens']} "
+              f"prompt tokens, errors {s['errors'] or 'none'}")  # fmt: skip
+
+    def mean(kind: str, key: str) -> float:
+        return sum(s[key] for s in runs[kind]) / len(runs[kind])
+
+    reuse = {k: mean(k, "cached_tokens") / mean(k, "prompt_tokens") for k in kinds}
+    print(f"prompt tokens reused, replicas / single: {reuse['replicas'] / reuse['single']:.2f}x "
+          f"(target >= 0.95x)")  # fmt: skip
+    print(f"throughput, replicas / single: "
+          f"{mean('replicas', 'output_tok_s') / mean('single', 'output_tok_s'):.2f}x "
+          f"(target >= 0.85x)")  # fmt: skip
+    if args.kill_after:
+        proc, url = start(kinds["replicas"])
+        try:
+            s = load(url, args, tmp / "kill.json", args.kill_after)
+        finally:
+            stop(proc)
+        hung = s["turns_started"] - s["turns"] - sum(s["errors"].values())
+        print(f"a replica killed {args.kill_after:.0f} s in: {s['turns']} of "
+              f"{s['turns_started']} turns completed, errors {s['errors'] or 'none'}, "
+              f"hung {hung}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Adaptive batching: the cost model's fit, budgets from a latency target, shortest prompt
+first with a starvation bound (on a deterministic cost model and a fake clock), and the
+real engine reacting to a long prompt beside decodes."""
+
+import random
+
+import pytest
+
+from app.config import SchedulerConfig
+from app.engine.cost_model import MIN_STEPS, StepCostModel, StepShape
+from app.engine.policy import (
+    AGING_FLOOR_S,
+    AGING_MULTIPLE,
+    DRAIN_STRETCH,
+    MIN_CHUNK,
+    AdaptivePolicy,
+)
+from app.engine.request import Request, SamplingParams, Timings
+from tests.engine.util import run
+from tests.tiny import tiny_engine
+
+TRUE = (0.004, 0.002, 0.0008, 2e-7)  # fixed, per decode, per prefill token, per context row
+
+
+def true_time(shape: StepShape) -> float:
+    return sum(c * f for c, f in zip(TRUE, shape.features()))
+
+
+def fitted(noise: float = 0.0, steps: int = 300) -> StepCostModel:
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(steps):
+        shape = StepShape(rng.randrange(0, 33), rng.randrange(0, 512), rng.randrange(0, 60_000))
+        model.observe(shape, true_time(shape) * (1 + rng.uniform(-noise, noise)))
+    return model
+
+
+def test_the_cost_model_learns_a_linear_step_time():
+    model = fitted()
+    assert model.steps_seen > MIN_STEPS
+    for got, want in zip(model.coef, TRUE):
+        assert got == pytest.approx(want, rel=1e-3)
+    noisy = fitted(noise=0.1)
+    assert noisy.abs_error < 0.1  # reported: the mean relative error of its predictions
+
+
+def policy(target_ms=50.0, max_num_seqs=16, cost=None) -> AdaptivePolicy:
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, itl_target_ms=target_ms, batching="adaptive")
+    return AdaptivePolicy(cfg, cost or fitted())
+
+
+def test_beside_decodes_a_chunk_fills_the_step_up_to_the_target():
+    p = policy(target_ms=50.0)
+    step = StepShape().plus_decode(500).plus_decode(800)
+    n = p.prefill_tokens(step, computed=0, remaining=2000, budget=2048, queue_depth=0)
+    assert true_time(step.plus_prefill(n, 0)) <= 0.050 < true_time(step.plus_prefill(n + 1, 0))
+    # Deeper into the prompt each token attends to more: smaller chunks.
+    deeper = p.prefill_tokens(step, computed=1500, remaining=500, budget=2048, queue_depth=0)
+    assert deeper < n
+
+
+def test_nothing_decoding_means_the_whole_budget():
+    p = policy(target_ms=1.0)
+    assert p.prefill_tokens(StepShape(), 0, 2000, 2048, 0) == 2000
+    assert p.prefill_tokens(StepShape(), 0, 5000, 2048, 0) == 2048
+
+
+def test_a_prompt_always_progresses_and_a_deep_queue_stretches_the_target():
+    p = policy(target_ms=1.0, max_num_seqs=16)  # decodes alone exceed the target
+    step = StepShape().plus_decode(100)
+    assert p.prefill_tokens(step, 0, 1000, 2048, 0) == MIN_CHUNK
+    p = policy(target_ms=50.0, max_num_seqs=16)
+    shallow = p.prefill_tokens(step, 0, 5000, 4096, queue_depth=0)
+    deep = p.prefill_tokens(step, 0, 5000, 4096, queue_depth=16)
+    assert deep > shallow
+    assert p.step_target_s(16) == pytest.approx(DRAIN_STRETCH * p.step_target_s(0))
+
+
+def test_the_auto_target_follows_the_measured_decode_step():
+    p = policy(target_ms=None)
+    decode_only = StepShape().plus_decode(100)
+    for _ in range(20):
+        p.observe(decode_only, 0.040)
+    assert p.itl_target_s() == pytest.approx(0.060)
+
+
+def request(rid: str, n: int, arrival: float, preempted: int = 0) -> Request:
+    r = Request(rid, list(range(n)), SamplingParams(), 8)
+    r.timings = Timings(arrival=arrival)
+    r.num_preemptions = preempted
+    return r
+
+
+def test_shortest_prompt_first():
+    p = policy()
+    waiting = [request("long", 2000, 0.0), request("short", 30, 0.1), request("mid", 300, 0.2)]
+    assert waiting[p.next_index(waiting, now=0.3)].request_id == "short"
+
+
+def test_a_preempted_request_goes_first():
+    p = policy()
+    waiting = [request("back", 900, 0.0, preempted=1), request("short", 30, 0.1)]
+    assert p.next_index(waiting, now=0.2) == 0
+
+
+def test_no_request_starves_behind_a_stream_of_short_ones():
+    """A long prompt among short ones arriving without end: it becomes urgent after at
+    most AGING_MULTIPLE x its own prefill time + AGING_FLOOR_S, then goes first."""
+    p = policy()
+    long = request("long", 2000, 0.0)
+    bound = AGING_MULTIPLE * p.prefill_seconds(long) + AGING_FLOOR_S
+    waiting = [long]
+    now, admitted_at = 0.0, None
+    for i in range(10_000):  # every 50 ms a short prompt arrives and one request is admitted
+        now += 0.05
+        waiting.append(request(f"s{i}", 20, now))
+        chosen = waiting.pop(p.next_index(waiting, now))
+        if chosen is long:
+            admitted_at = now
+            break
+    assert admitted_at is not None and admitted_at <= bound + 0.05
+    assert admitted_at > 1.0  # it did let short ones pass first
+
+
+def test_the_real_engine_cuts_a_long_prompt_beside_decodes(tokenizer):
+    """A tiny engine with a target far below any step: beside decodes, a long prompt
+    arrives in MIN_CHUNK bites; the replies are those of each prompt alone."""
+    engine = tiny_engine(tokenizer, batching="adaptive", max_num_batched_tokens=256)
+    engine.scheduler.policy.cfg = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=256, batching="adaptive", itl_target_ms=1e-3
+    )
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("talk", list(range(100, 140)), params)
+    engine.step()  # its prompt, alone: the whole thing at once
+    chunks = []
+    real = engine.runner.run
+
+    def spy(sched):
+        chunks.extend(s.num_tokens for s in sched.scheduled if s.request.request_id == "paste")
+        return real(sched)
+
+    engine.runner.run = spy
+    engine.add_request("paste", list(range(1000, 1200)), params)
+    res = run(engine)
+    assert chunks[0] == MIN_CHUNK and max(chunks) < 200
+    assert res["paste"].finish_reason == "length"
+    alone = tiny_engine(tokenizer)
+    alone.add_request("paste", list(range(1000, 1200)), params)
+    assert run(alone)["paste"].token_ids == res["paste"].token_ids
