@@ -67,6 +67,31 @@ FLAGS: list[tuple[str, dict]] = [
     ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
     ("--max-connections", dict(type=int, default=256, help="open /ws sockets")),
     ("--request-timeout", dict(type=float, default=600.0, help="seconds a request may run")),
+    (
+        "--resume-grace",
+        dict(
+            type=float,
+            default=60.0,
+            help="seconds a turn whose socket dropped runs on, waiting for a resume (0: cancel)",
+        ),
+    ),
+    ("--journal", dict(default=None, help="redis://host:port/db: turns survive a restart")),
+    (
+        "--journal-required",
+        dict(action="store_true", help="refuse turns while the journal is unreachable"),
+    ),
+    (
+        "--journal-consumer",
+        dict(default=None, help="this server's name in the journal (default: host:port)"),
+    ),
+    (
+        "--journal-claim-after",
+        dict(
+            type=float,
+            default=30.0,
+            help="seconds a server may be silent before another takes over its turns",
+        ),
+    ),
     ("--api-key", dict(help="require this key on /v1 (Bearer) and for the page")),
     (
         "--api-keys-file",
@@ -145,16 +170,28 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_config(args: argparse.Namespace):
+    import socket
     from pathlib import Path
 
     from app.config import ClusterConfig
     from app.server.app import ServerConfig
     from app.server.chat_service import ChatConfig
+    from app.server.journal import JournalConfig
     from app.server.security import parse_keys_file, persistent_secret
+    from app.server.streams import StreamsConfig
 
     if args.api_key and args.api_keys_file:
         raise SystemExit("parley: give --api-key or --api-keys-file, not both")
     keys = parse_keys_file(Path(args.api_keys_file)) if args.api_keys_file else None
+    journal = None
+    if args.journal:
+        journal = JournalConfig(
+            args.journal,
+            required=str(args.journal_required).lower() in ("1", "true", "yes"),
+            # The same name after a restart: the server takes its own turns back at once.
+            consumer=args.journal_consumer or f"{socket.gethostname()}:{args.port}",
+            claim_after_s=args.journal_claim_after,
+        )
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -174,6 +211,8 @@ def server_config(args: argparse.Namespace):
             ray_address=args.ray_address,
             threads_per_replica=args.threads if args.replicas > 1 else None,
         ),
+        streams=StreamsConfig(grace_s=args.resume_grace),
+        journal=journal,
     )
 
 

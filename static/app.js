@@ -198,7 +198,9 @@ function history(conversation) {
 
 function startTurn(conversation) {
   const messages = history(conversation);
-  const reply = { role: "assistant", content: "", partial: true };
+  // A reply in flight keeps its turn id and the last seq shown, saved with its text: after a
+  // reconnect or a reload, the page asks the server for the rest (see attach()).
+  const reply = { role: "assistant", content: "", partial: true, lastSeq: -1 };
   conversation.messages.push(reply);
   const turnId = uid();
   const s = store.settings;
@@ -210,25 +212,46 @@ function startTurn(conversation) {
     params: { temperature: Number(s.temperature), top_p: Number(s.top_p), max_tokens: Number(s.max_tokens) },
   };
   if (s.system.trim()) frame.system = s.system.trim();
-  inflight.set(conversation.id, { turnId, message: reply });
-  const sent = connection.send(frame, (f) => onTurnFrame(conversation, reply, f));
-  if (!sent) onTurnFrame(conversation, reply, { type: "error", message: "not connected: try again in a moment" });
+  reply.turnId = turnId;
+  const turn = { turnId, message: reply };
+  inflight.set(conversation.id, turn);
+  const sent = connection.send(frame, (f) => onTurnFrame(conversation, turn, f), resumeFrame(conversation, reply));
+  if (!sent) onTurnFrame(conversation, turn, { type: "error", message: "not connected: try again in a moment" });
   store.save();
   renderAll();
 }
 
-function onTurnFrame(conversation, reply, frame) {
+// The frame that re-attaches a reply in flight: every token after the last one shown.
+function resumeFrame(conversation, reply) {
+  return () => ({ type: "resume", id: reply.turnId, conversation_id: conversation.id, after_seq: reply.lastSeq });
+}
+
+// A reply that was streaming when the page was reloaded: ask for the rest once connected.
+function attach(conversation, reply) {
+  const turn = { turnId: reply.turnId, message: reply };
+  inflight.set(conversation.id, turn);
+  connection.expect(reply.turnId, (f) => onTurnFrame(conversation, turn, f), resumeFrame(conversation, reply));
+}
+
+function onTurnFrame(conversation, turn, frame) {
+  const reply = turn.message;
   if (frame.type === "start") {
     reply.prompt_tokens = frame.prompt_tokens;
     reply.cached_tokens = frame.cached_tokens;
   } else if (frame.type === "token") {
+    if (frame.seq <= reply.lastSeq) return; // sent again after a resume: shown already
+    reply.lastSeq = frame.seq;
     reply.content += frame.text;
     saveSoon();
   } else if (frame.type === "done" || frame.type === "error") {
     reply.partial = false;
+    delete reply.turnId;
+    delete reply.lastSeq;
     if (frame.type === "done") {
       reply.stats = { ...frame.timings, prompt_tokens: frame.usage.prompt_tokens, cached_tokens: frame.usage.cached_tokens };
       reply.stopped = frame.finish_reason === "cancelled";
+    } else if (frame.code === "unknown_id" || frame.code === "expired") {
+      reply.error = "interrupted"; // a resume found the turn gone (the server lost it)
     } else {
       reply.error = frame.message;
     }
@@ -304,10 +327,14 @@ function renderAll() {
 }
 
 function init() {
-  // Replies cut short by a reload or a lost connection stay, marked as interrupted.
+  // A reply cut short by a reload is asked for again (the server keeps a turn for a while
+  // after its socket drops); one that cannot be stays, marked as interrupted.
   for (const c of store.conversations) {
     for (const m of c.messages) {
-      if (m.partial) {
+      if (!m.partial) continue;
+      if (m.turnId && m === c.messages.at(-1)) {
+        attach(c, m);
+      } else {
         m.partial = false;
         m.error = "interrupted";
       }

@@ -1,4 +1,7 @@
-// The /ws connection: reconnects with backoff, reports its state, routes frames by turn id.
+// The /ws connection: reconnects with backoff, reports its state, routes frames by turn id,
+// and re-attaches the turns in flight after a reconnect (a `resume` frame each: the server
+// keeps a turn running for a grace period after its socket drops, and replays what this
+// page missed).
 
 const MIN_DELAY_MS = 500;
 const MAX_DELAY_MS = 8000;
@@ -8,7 +11,7 @@ export class Connection {
     this.url = url;
     this.onState = onState; // ("connecting" | "open" | "reconnecting" | "closed", detail)
     this.onFrame = onFrame; // (frame) for frames that belong to no live turn handler
-    this.handlers = new Map(); // turn id -> callback(frame)
+    this.handlers = new Map(); // turn id -> { onFrame(frame), resume() -> resume frame | null }
     this.delay = MIN_DELAY_MS;
     this.socket = null;
   }
@@ -16,6 +19,9 @@ export class Connection {
   start() {
     this.connect("connecting");
     window.addEventListener("online", () => this.retryNow());
+    // Off the network, an open socket can take minutes to notice: let it go now, and
+    // re-attach the turns in flight once the network is back.
+    window.addEventListener("offline", () => this.socket?.close());
   }
 
   connect(state) {
@@ -25,6 +31,11 @@ export class Connection {
     socket.addEventListener("open", () => {
       this.delay = MIN_DELAY_MS;
       this.onState("open");
+      for (const [id, handler] of this.handlers) {
+        const frame = handler.resume?.();
+        if (frame) socket.send(JSON.stringify(frame));
+        else this.fail(id, handler);
+      }
     });
     socket.addEventListener("message", (event) => {
       let frame;
@@ -34,17 +45,16 @@ export class Connection {
         return;
       }
       const handler = frame.id != null ? this.handlers.get(frame.id) : undefined;
-      if (handler) handler(frame);
+      if (handler) handler.onFrame(frame);
       else this.onFrame(frame);
       if (handler && (frame.type === "done" || frame.type === "error")) this.handlers.delete(frame.id);
     });
     socket.addEventListener("close", () => {
       if (this.socket !== socket) return;
-      // Turns in flight on this socket are gone (the server cancelled them).
+      // Turns that cannot resume are gone; the others wait for the next socket.
       for (const [id, handler] of this.handlers) {
-        handler({ type: "error", id, code: "disconnected", message: "connection lost", retryable: true });
+        if (!handler.resume) this.fail(id, handler);
       }
-      this.handlers.clear();
       const wait = this.delay;
       this.delay = Math.min(this.delay * 2, MAX_DELAY_MS);
       this.onState("reconnecting", wait);
@@ -52,8 +62,13 @@ export class Connection {
     });
   }
 
+  fail(id, handler) {
+    this.handlers.delete(id);
+    handler.onFrame({ type: "error", id, code: "disconnected", message: "connection lost", retryable: true });
+  }
+
   retryNow() {
-    if (this.socket && this.socket.readyState === WebSocket.OPEN) return;
+    if (this.socket && this.socket.readyState <= WebSocket.OPEN) return; // connecting or open
     clearTimeout(this.timer);
     this.delay = MIN_DELAY_MS;
     this.connect("reconnecting");
@@ -63,9 +78,18 @@ export class Connection {
     return this.socket !== null && this.socket.readyState === WebSocket.OPEN;
   }
 
-  send(frame, handler) {
+  // Route the frames of a turn already in flight (a reply that was streaming before a
+  // reload) to `onFrame`; it is re-attached with `resume()` once the socket is open.
+  expect(id, onFrame, resume) {
+    this.handlers.set(id, { onFrame, resume });
+    if (this.isOpen) this.socket.send(JSON.stringify(resume()));
+  }
+
+  // Send a frame. With `onFrame`, the turn's frames go to it; with `resume` (a function
+  // returning the resume frame to send), the turn is re-attached after a reconnect.
+  send(frame, onFrame, resume) {
     if (!this.isOpen) return false;
-    if (handler) this.handlers.set(frame.id, handler);
+    if (onFrame) this.handlers.set(frame.id, { onFrame, resume });
     this.socket.send(JSON.stringify(frame));
     return true;
   }

@@ -20,3 +20,15 @@ def smollm() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tokenizer(smollm: LoadedModel):
     return smollm.tokenizer
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A redis-server of the test's own on a free loopback port (skipped where absent)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -47,3 +47,20 @@ def test_dtype_flag(monkeypatch):
     assert engine_config(build_parser().parse_args([])).model.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--dtype", "float64"])
+
+
+def test_resume_and_journal_flags(monkeypatch):
+    from app.__main__ import server_config
+
+    config = server_config(build_parser().parse_args([]))
+    assert config.streams.grace_s == 60.0 and config.journal is None
+    monkeypatch.setenv("PARLEY_JOURNAL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv("PARLEY_JOURNAL_REQUIRED", "0")
+    args = build_parser().parse_args(["--resume-grace", "5", "--port", "8123"])
+    config = server_config(args)
+    assert config.streams.grace_s == 5.0
+    assert config.journal.url == "redis://127.0.0.1:6379/0" and not config.journal.required
+    assert config.journal.consumer.endswith(":8123")
+    args = build_parser().parse_args(["--journal-required", "--journal-consumer", "blue"])
+    journal = server_config(args).journal
+    assert journal.required and journal.consumer == "blue"

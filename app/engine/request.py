@@ -85,6 +85,9 @@ class SamplingParams:
     response_format: ResponseFormat | None = None
     # Added to the logits of these token ids before sampling: ((token_id, bias), ...).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Draws of the seed's random stream already spent: a request that continues another's
+    # output (a turn resumed after a restart) samples on from where that one stopped.
+    seed_offset: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a single stop string, store tuples (hashable, immutable).
@@ -159,6 +162,8 @@ class SamplingParams:
                 "seed",
                 f"must be in [0, 2**63), got {self.seed}",
             )
+        offset = integer("seed_offset", self.seed_offset)
+        check(offset >= 0, "seed_offset", f"must be >= 0, got {offset}")
         check(
             len(self.stop) <= MAX_STOP_STRINGS,
             "stop",
@@ -272,6 +277,10 @@ class Request:
         self.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else secrets.randbits(63)
         )
+        if params.seed is not None and params.seed_offset:
+            # The sampler draws one number per sampled token (app.engine.sampler), and n
+            # numbers drawn at once advance the generator exactly as n single draws do.
+            torch.rand(params.seed_offset, generator=self.generator)
         self.detokenizer: IncrementalDetokenizer | None = None
         # Choices of one prompt (params.n > 1): outputs and aborts go by the group id (the
         # caller's id); choice 0 carries the others in `forks` until its prompt is computed,

@@ -27,8 +27,11 @@ from app.config import ClusterConfig, EngineConfig
 from app.engine.protocol import EngineClient
 from app.server import openai_api
 from app.server.chat_service import ChatConfig, ChatService
-from app.server.metrics import CONTENT_TYPE, Metrics
+from app.server.journal import Journal, JournalConfig
+from app.server.metrics import CONTENT_TYPE, Metrics, ResumeCollector
 from app.server.security import AUTH_COOKIE, CLIENT_COOKIE, Access, ParleyAuth, Principal
+from app.server.streams import Streams, StreamsConfig
+from app.server.turn_runner import TurnRunner
 from app.server.ws import ws_endpoint
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,8 @@ class ServerConfig:
     api_keys: Mapping[str, bytes] | None = None  # several: tenant -> SHA-256 of its key
     allowed_origins: tuple[str, ...] = ()  # besides the page's own origin, for /ws
     secret: bytes | None = None  # signs cookies; None: a new one per process
+    streams: StreamsConfig = field(default_factory=StreamsConfig)  # resumable turns
+    journal: JournalConfig | None = None  # durable turns on Redis Streams
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas > 1: on Ray
 
     def access(self) -> Access:
@@ -161,7 +166,16 @@ def create_app(
         for listener in [metrics, *extra]:
             eng.add_listener(listener)
         chat = ChatService(eng, server_config.chat)
+        streams = Streams(server_config.streams)
+        journal = Journal(server_config.journal) if server_config.journal else None
+        runner = TurnRunner(chat, streams, journal)
+        metrics.registry.register(ResumeCollector(streams, journal))
         eng.start()
+        upkeep = None
+        if journal is not None:
+            for turn in await journal.open():  # this server's turns from before a restart
+                runner.recover(turn)
+            upkeep = asyncio.create_task(_keep_journal(journal, runner))
         try:
             yield {
                 "access": access,
@@ -170,9 +184,17 @@ def create_app(
                 "metrics": metrics,
                 "openai": openai_api.OpenAIAPI(eng, chat.prompt, chat.cache_salt),
                 "templates": templates,
+                "turns": runner,
             }
         finally:
+            runner.closing = True  # journaled turns in flight stay pending for the next process
+            if upkeep is not None:
+                upkeep.cancel()
             await eng.stop()
+            await runner.wait()
+            streams.close()
+            if journal is not None:
+                await journal.close()
             for listener in extra:
                 listener.shutdown()
 
@@ -188,6 +210,18 @@ def create_app(
     ]
     middleware = [Middleware(AuthenticationMiddleware, backend=ParleyAuth(access))]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+
+async def _keep_journal(journal: Journal, runner: TurnRunner) -> None:
+    """Heartbeat, trim, reconnect, and take up turns of processes that went silent."""
+    every = journal.config.claim_after_s / 3
+    while True:
+        await asyncio.sleep(every if journal.up else min(every, 1.0))
+        try:
+            for turn in await journal.maintain():
+                runner.recover(turn)
+        except Exception:
+            log.exception("journal upkeep failed; trying again")
 
 
 def _build_engine(config: EngineConfig, cluster: ClusterConfig) -> EngineClient:

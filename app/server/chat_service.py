@@ -71,6 +71,14 @@ class ChatService:
                 frame_id,
             )
 
+    def check_access(
+        self, principal: Principal, conversation_id: str, frame_id: str | None
+    ) -> None:
+        """Raise ProtocolError (forbidden) when the conversation belongs to another."""
+        conv = self.store.find(principal.tenant, conversation_id)
+        if conv is not None:
+            self._owned(principal, conv, frame_id)
+
     def begin_turn(self, frame: p.ChatFrame, principal: Principal) -> Turn:
         """Check ownership, mark the conversation busy and resolve its history.
         Raises ProtocolError."""
@@ -91,6 +99,15 @@ class ChatService:
             messages = [*conv.messages, Message("user", frame.content or "")]
         if frame.system is not None and messages[0].role != "system":
             messages.insert(0, Message("system", frame.system))
+        turn = Turn(frame, conv, messages, principal, uuid.uuid4().hex)
+        conv.turn = turn.token
+        return turn
+
+    def recovered_turn(self, frame: p.ChatFrame, principal: Principal) -> Turn:
+        """A turn taken over from the journal (another process began it): its history is
+        `frame.messages`, already resolved; the conversation is marked busy with it."""
+        conv = self.store.get(principal.tenant, frame.conversation_id, principal.owner)
+        messages = list(frame.messages or [])
         turn = Turn(frame, conv, messages, principal, uuid.uuid4().hex)
         conv.turn = turn.token
         return turn
@@ -120,6 +137,11 @@ class ChatService:
         conv = turn.conversation
         if conv.turn == turn.token:
             conv.turn = None
+        if self.store.find(conv.tenant, conv.id) is None:
+            # Deleted while the turn ran on (e.g. detached): the engine pinned the turn's
+            # blocks to the session after the delete released it; let them go too.
+            self.engine.release_session(conv.key)
+            return
         if text is None:
             return
         conv.messages = [*turn.messages, Message("assistant", text)]

@@ -23,6 +23,8 @@ from prometheus_client.registry import Collector
 
 from app.engine.outputs import FinishedRequestStats
 from app.engine.protocol import EngineClient
+from app.server.journal import Journal
+from app.server.streams import Streams
 
 P = "parley:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -186,3 +188,49 @@ class _EngineCollector(Collector):
             for decision in ("affine", "rebalanced", "balanced"):
                 routing.add_metric([decision], s.routing.get(decision, 0))
             yield routing
+
+
+class ResumeCollector(Collector):
+    """Turns that outlive their socket and the turn journal, read at scrape time
+    (app.server.streams, app.server.journal)."""
+
+    def __init__(self, streams: Streams, journal: Journal | None) -> None:
+        self.streams = streams
+        self.journal = journal
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.streams.stats()
+        yield GaugeMetricFamily(
+            P + "turns_detached", "Running turns whose socket dropped.", s.detached
+        )
+        yield CounterMetricFamily(P + "turn_resumes", "Turns resumed on a new socket.", s.resumes)
+        yield CounterMetricFamily(
+            P + "turns_expired", "Turns cancelled because nobody resumed them in time.", s.expired
+        )
+        if self.journal is None:
+            return
+        j = self.journal.stats()
+        yield GaugeMetricFamily(P + "journal_up", "1 while the turn journal is reachable.", j.up)
+        yield CounterMetricFamily(P + "journal_turns", "Turns appended to the journal.", j.turns)
+        yield CounterMetricFamily(
+            P + "journal_unjournaled_turns",
+            "Turns served without durability (the journal was unreachable).",
+            j.unjournaled,
+        )
+        yield CounterMetricFamily(
+            P + "journal_frames", "Token frames recorded before they were sent.", j.writes
+        )
+        yield CounterMetricFamily(
+            P + "journal_write_errors", "Journal round trips that failed.", j.write_errors
+        )
+        yield CounterMetricFamily(
+            P + "journal_flushes", "Journal round trips that recorded frames.", j.flushes
+        )
+        yield CounterMetricFamily(
+            P + "journal_flush_seconds", "Time spent in those round trips.", j.flush_seconds
+        )
+        yield CounterMetricFamily(
+            P + "journal_recovered_turns",
+            "Turns taken over from the journal (a restart, or a silent process).",
+            j.recovered,
+        )

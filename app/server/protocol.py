@@ -3,6 +3,7 @@
 Client -> server
     chat    {id, conversation_id, messages | content, system?, params?}
     cancel  {id}
+    resume  {id, conversation_id, after_seq}
     delete  {conversation_id}
     ping    {}
 Server -> client
@@ -13,7 +14,9 @@ Server -> client
     deleted {conversation_id}
     pong    {}
 
-Every turn gets exactly one terminal frame (`done` or `error`). Errors a client can cause
+Every turn gets exactly one terminal frame (`done` or `error`) on each socket it streams
+to: the one that started it, or one that resumed it after its socket dropped (see
+app.server.streams). Errors a client can cause
 raise ProtocolError with a code and a message fit to show; nothing here touches the engine.
 """
 
@@ -38,7 +41,8 @@ UNKNOWN_TYPE = "unknown_type"
 TOO_LARGE = "too_large"  # frame over MAX_FRAME_BYTES
 TOO_LONG = "context_length_exceeded"  # conversation over the context window
 DUPLICATE_ID = "duplicate_id"
-UNKNOWN_ID = "unknown_id"  # cancel of an id that is not in flight
+UNKNOWN_ID = "unknown_id"  # cancel or resume of an id that is not in flight
+EXPIRED = "expired"  # resume of a turn whose grace period or replay buffer ran out
 CONVERSATION_BUSY = "conversation_busy"  # a turn of that conversation is in flight
 TOO_MANY_TURNS = "too_many_turns"  # per-socket limit of turns in flight
 BUSY = "busy"  # the server is overloaded: retry later
@@ -77,6 +81,13 @@ class CancelFrame:
 
 
 @dataclass
+class ResumeFrame:
+    id: str
+    conversation_id: str
+    after_seq: int  # the last token frame the client has; -1 for none
+
+
+@dataclass
 class DeleteFrame:
     conversation_id: str
 
@@ -86,7 +97,7 @@ class PingFrame:
     pass
 
 
-Frame = ChatFrame | CancelFrame | DeleteFrame | PingFrame
+Frame = ChatFrame | CancelFrame | ResumeFrame | DeleteFrame | PingFrame
 
 
 def parse_frame(raw: str | bytes, max_tokens_limit: int) -> Frame:
@@ -107,6 +118,8 @@ def parse_frame(raw: str | bytes, max_tokens_limit: int) -> Frame:
         return _chat(data, max_tokens_limit)
     if kind == "cancel":
         return CancelFrame(_id(data, "id"))
+    if kind == "resume":
+        return _resume(data)
     if kind == "delete":
         return DeleteFrame(_id(data, "conversation_id"))
     if kind == "ping":
@@ -121,6 +134,17 @@ def _id(data: dict[str, Any], key: str, frame_id: str | None = None) -> str:
     if len(value) > MAX_ID_LENGTH:
         raise ProtocolError(BAD_REQUEST, f"'{key}' is limited to {MAX_ID_LENGTH} characters")
     return value
+
+
+def _resume(data: dict[str, Any]) -> ResumeFrame:
+    frame_id = _id(data, "id")
+    conversation_id = _id(data, "conversation_id", frame_id)
+    after = data.get("after_seq", -1)
+    if isinstance(after, bool) or not isinstance(after, int) or after < -1:
+        raise ProtocolError(
+            BAD_REQUEST, "'after_seq' must be the last seq received, or -1 for none", frame_id
+        )
+    return ResumeFrame(frame_id, conversation_id, after)
 
 
 def _chat(data: dict[str, Any], max_tokens_limit: int) -> ChatFrame:

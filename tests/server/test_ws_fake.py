@@ -1,9 +1,12 @@
 """/ws protocol against a fake engine: framing, ordering, cancel, disconnect, errors."""
 
+import time
+
 import pytest
 from starlette.testclient import TestClient
 
-from app.server.app import create_app
+from app.server.app import ServerConfig, create_app
+from app.server.streams import StreamsConfig
 from tests.server.fake_engine import FakeEngine
 
 
@@ -101,21 +104,21 @@ def test_cancel_ends_with_cancelled_and_keeps_partial_text(client, fake):
         assert text_of(until_terminal(ws, ["t2"])["t2"]) == "still works"
 
 
-def test_closing_the_socket_aborts_its_turns(client, fake):
+def test_without_a_grace_period_closing_the_socket_aborts_its_turns(fake):
     fake.reply = " ".join(f"w{i}" for i in range(500))
     fake.delay = 0.01
-    with client.websocket_connect("/ws") as ws:
-        ws.send_json(chat("a", "c1"))
-        ws.send_json(chat("b", "c2"))
-        ws.receive_json()
-        ws.receive_json()
-    # The client is gone: both generations stop (the fake sees its iterators closed).
-    import time
-
-    deadline = time.monotonic() + 5
-    while fake.live and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not fake.live
+    config = ServerConfig(streams=StreamsConfig(grace_s=0))
+    with TestClient(create_app(engine=fake, server_config=config)) as client:
+        with client.websocket_connect("/ws") as ws:
+            ws.send_json(chat("a", "c1"))
+            ws.send_json(chat("b", "c2"))
+            ws.receive_json()
+            ws.receive_json()
+        # The client is gone: both generations stop (the fake sees its iterators closed).
+        deadline = time.monotonic() + 5
+        while fake.live and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not fake.live
 
 
 @pytest.mark.parametrize(
