@@ -1,0 +1,328 @@
+"""Parley against llama.cpp's llama-server on the same GGUF file, driven by the same OpenAI
+streaming client in one script, the two servers' runs alternating.
+
+    python bench/vs_llama_cpp.py --llama-server /path/to/llama-server
+    LLAMA_SERVER=/path/to/llama-server python bench/vs_llama_cpp.py --quick
+
+llama-server is not part of Parley: build it once from the llama.cpp sources inside the
+PyPI sdist of llama-cpp-python (about 20 minutes on 2 cores):
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36
+    tar xzf llama_cpp_python-0.3.36.tar.gz && cd llama_cpp_python-0.3.36/vendor/llama.cpp
+    cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
+    cmake --build build --target llama-server -j2
+
+Scenarios: one stream (decode tok/s, TTFT); 8 and 32 concurrent streams (aggregate tok/s,
+TTFT and inter-token p50/p99); 8 conversations x 6 turns that resend their history; a
+1,500-token prompt then a follow-up; a ~6,000-token prompt then 128 tokens (deep in a long
+chat); peak RSS of each server. Each scenario takes the median of --repeats runs. The table
+goes to stdout and, with --write, into bench/README.md between its markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BEGIN, END = "<!-- vs-llama-cpp:begin -->", "<!-- vs-llama-cpp:end -->"
+FILLER = (
+    "The keeper of the lighthouse wrote in his log every evening: the weather, the ships "
+    "that passed, the state of the lamp and the oil, and whatever else the day had brought. "
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Server:
+    """A server process on a free loopback port, ready when /v1/models answers."""
+
+    def __init__(self, name: str, cmd: list[str], port: int) -> None:
+        import httpx
+
+        self.name, self.port = name, port
+        self.base = f"http://127.0.0.1:{port}/v1"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(self.base + "/models", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start: {' '.join(cmd)}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+@dataclass
+class Stream:
+    sent: float
+    stamps: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.stamps[0] - self.sent
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+async def stream_chat(client, model: str, messages, max_tokens: int) -> tuple[Stream, str]:
+    s = Stream(time.perf_counter())
+    text = []
+    response = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in response:
+        if chunk.choices and chunk.choices[0].delta.content:
+            s.stamps.append(time.perf_counter())
+            text.append(chunk.choices[0].delta.content)
+    return s, "".join(text)
+
+
+def decode_rate(s: Stream) -> float:
+    return (len(s.stamps) - 1) / (s.stamps[-1] - s.stamps[0])
+
+
+def ask(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def concurrent(client, model: str, n: int, tokens: int) -> dict:
+    started = time.perf_counter()
+    runs = await asyncio.gather(
+        *(stream_chat(client, model, ask(f"Tell me a story about island {i}."), tokens)
+          for i in range(n))
+    )  # fmt: skip
+    wall = time.perf_counter() - started
+    streams = [s for s, _ in runs]
+    gaps = [g for s in streams for g in s.gaps]
+    return {
+        "tok_s": sum(len(s.stamps) for s in streams) / wall,
+        "decode_tok_s": statistics.median(decode_rate(s) for s in streams),
+        "ttft_s": statistics.median(s.ttft for s in streams),
+        "itl_p50_ms": percentile(gaps, 0.5) * 1000,
+        "itl_p99_ms": percentile(gaps, 0.99) * 1000,
+    }
+
+
+async def multi_turn(client, model: str, users: int, turns: int, tokens: int) -> dict:
+    async def user(u: int) -> None:
+        messages: list[dict[str, str]] = []
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"User {u}, question {t}: " + FILLER})
+            _, reply = await stream_chat(client, model, messages, tokens)
+            messages.append({"role": "assistant", "content": reply})
+
+    started = time.perf_counter()
+    await asyncio.gather(*(user(u) for u in range(users)))
+    return {"total_s": time.perf_counter() - started}
+
+
+async def long_then_follow_up(client, model: str, prompt_tokens: int, salt: str) -> dict:
+    # ~36 tokens per FILLER: a prompt of about `prompt_tokens` tokens, new each run.
+    long = f"[{salt}] " + FILLER * (prompt_tokens // 36) + "\nSummarize the log."
+    first, reply = await stream_chat(client, model, ask(long), 16)
+    follow = [*ask(long), {"role": "assistant", "content": reply},
+              {"role": "user", "content": "And the weather?"}]  # fmt: skip
+    second, _ = await stream_chat(client, model, follow, 16)
+    return {"ttft_s": first.ttft, "follow_up_ttft_s": second.ttft}
+
+
+async def deep_chat(client, model: str, prompt_tokens: int, tokens: int, salt: str) -> dict:
+    long = f"[{salt}] " + FILLER * (prompt_tokens // 36) + "\nContinue the log."
+    s, _ = await stream_chat(client, model, ask(long), tokens)
+    return {"decode_tok_s": decode_rate(s), "ttft_s": s.ttft}
+
+
+def median_of(results: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in results) for k in results[0]}
+
+
+async def scenario(servers: list[Server], name: str, make, repeats: int) -> dict[str, dict]:
+    """Run `make(client, model, run)` against each server in turn, `repeats` times."""
+    import openai
+
+    got: dict[str, list[dict]] = {s.name: [] for s in servers}
+    for run in range(repeats):
+        for s in servers if run % 2 == 0 else servers[::-1]:
+            client = openai.AsyncOpenAI(base_url=s.base, api_key="unused", max_retries=0,
+                                        timeout=1200)  # fmt: skip
+            model = (await client.models.list()).data[0].id
+            got[s.name].append(await make(client, model, f"{name}-{run}"))
+            await client.close()
+    out = {k: median_of(v) for k, v in got.items()}
+    print(f"{name}: {json.dumps(out)}", file=sys.stderr)
+    return out
+
+
+def cpu_flags() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"model name\s*:\s*(.*)", text)
+    flags = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
+    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{model.group(1) if model else platform.processor()} ({', '.join(shown)})"
+
+
+def row(label: str, a: float, b: float, unit: str, better: str, target: str = "") -> str:
+    ratio = a / b if b else float("nan")
+    return f"| {label} | {a:.2f} {unit} | {b:.2f} {unit} | **{ratio:.2f}x** ({better}) | {target} |"
+
+
+def table(r: dict, cpu: str, parley_flags: str, llama_flags: str) -> str:
+    P, L = "parley", "llama"
+    lines = [
+        f"Machine: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}; "
+        f"measured {time.strftime('%Y-%m-%d')}. Parley `python -m app {parley_flags}`; "
+        f"llama-server `{llama_flags}`. Medians of the runs; the two servers alternate.",
+        "",
+        "| scenario | Parley | llama-server | Parley / llama | target |",
+        "| --- | --- | --- | --- | --- |",
+        row("one stream, decode", r["one"][P]["decode_tok_s"], r["one"][L]["decode_tok_s"],
+            "tok/s", "higher is better", ">= 1.0x"),
+        row("one stream, TTFT", r["one"][P]["ttft_s"], r["one"][L]["ttft_s"], "s",
+            "lower is better", "<= 1.0x"),
+        row("deep chat (~6,000-token prompt), decode", r["deep"][P]["decode_tok_s"],
+            r["deep"][L]["decode_tok_s"], "tok/s", "higher is better", ">= 1.0x"),
+        row("8 concurrent, aggregate", r["c8"][P]["tok_s"], r["c8"][L]["tok_s"], "tok/s",
+            "higher is better", ">= 1.5x"),
+        row("32 concurrent, aggregate", r["c32"][P]["tok_s"], r["c32"][L]["tok_s"], "tok/s",
+            "higher is better", ">= 2.0x"),
+        row("8 x 6 multi-turn, total time", r["turns"][P]["total_s"], r["turns"][L]["total_s"],
+            "s", "lower is better", "<= 0.8x"),
+        row("1,500-token prompt, TTFT", r["long"][P]["ttft_s"], r["long"][L]["ttft_s"], "s",
+            "lower is better", "<= 0.5x"),
+        row("... its follow-up, TTFT", r["long"][P]["follow_up_ttft_s"],
+            r["long"][L]["follow_up_ttft_s"], "s", "lower is better", "<= 0.5x"),
+        row("peak RSS", r["rss"][P], r["rss"][L], "MiB", "lower is better", ""),
+        "",
+        "Latency under load (TTFT median, inter-token p50 / p99):",
+        "",
+        "| | Parley | llama-server |",
+        "| --- | --- | --- |",
+    ]  # fmt: skip
+    for key, label in (("c8", "8 concurrent"), ("c32", "32 concurrent")):
+        cells = [
+            f"{r[key][k]['ttft_s']:.2f} s, {r[key][k]['itl_p50_ms']:.0f} / "
+            f"{r[key][k]['itl_p99_ms']:.0f} ms"
+            for k in (P, L)
+        ]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
+    ap.add_argument("--gguf", default=None, help="default: the default model's GGUF file")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="one run, fewer tokens")
+    ap.add_argument("--parley-flags", default="", help="extra flags for python -m app")
+    ap.add_argument("--write", action="store_true", help="put the table into bench/README.md")
+    ap.add_argument("--out", default="bench/results/vs_llama_cpp.json")
+    args = ap.parse_args()
+    if not args.llama_server or not Path(args.llama_server).exists():
+        sys.exit(
+            "llama-server not found: pass --llama-server PATH or set LLAMA_SERVER. Build it "
+            "as the top of this file says (bench/vs_llama_cpp.py)."
+        )
+    if args.quick:
+        args.repeats, args.tokens = 1, 48
+    if args.gguf is None:
+        from app.config import default_cache_dir
+        from app.model.registry import default_model_path
+
+        args.gguf = str(default_model_path(default_cache_dir()))
+
+    llama_port, parley_port = free_port(), free_port()
+    llama_cmd = [args.llama_server, "-m", args.gguf, "-t", "2", "-tb", "2", "-np", "32",
+                 "-c", "65536", "--cont-batching", "--kv-unified", "--host", "127.0.0.1",
+                 "--port", str(llama_port)]  # fmt: skip
+    parley_cmd = [sys.executable, "-m", "app", "--port", str(parley_port),
+                  "--log-level", "warning", *args.parley_flags.split()]  # fmt: skip
+    servers = [Server("llama", llama_cmd, llama_port), Server("parley", parley_cmd, parley_port)]
+    t = args.tokens
+    try:
+        results = {
+            "one": asyncio.run(scenario(servers, "one", lambda c, m, run: concurrent(c, m, 1, t),
+                                        args.repeats)),
+            "c8": asyncio.run(scenario(servers, "c8", lambda c, m, run: concurrent(c, m, 8, t),
+                                       args.repeats)),
+            "c32": asyncio.run(scenario(servers, "c32",
+                                        lambda c, m, run: concurrent(c, m, 32, t), args.repeats)),
+            "turns": asyncio.run(scenario(servers, "turns",
+                                          lambda c, m, run: multi_turn(c, m, 8, 6, 64),
+                                          args.repeats)),
+            "long": asyncio.run(scenario(servers, "long",
+                                         lambda c, m, run: long_then_follow_up(c, m, 1500, run),
+                                         args.repeats)),
+            "deep": asyncio.run(scenario(servers, "deep",
+                                         lambda c, m, run: deep_chat(c, m, 6000, t, run),
+                                         args.repeats)),
+        }  # fmt: skip
+        results["rss"] = {s.name: peak_rss_mib(s.proc.pid) for s in servers}
+    finally:
+        for s in servers:
+            s.stop()
+    llama_flags = " ".join(["llama-server", *llama_cmd[1:]]).replace(
+        args.gguf, Path(args.gguf).name
+    )
+    text = table(results, cpu_flags(), args.parley_flags or "(default flags)", llama_flags)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.write:
+        readme = ROOT / "bench" / "README.md"
+        content = readme.read_text()
+        block = f"{BEGIN}\n{text}\n{END}"
+        if BEGIN in content:
+            content = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, content,
+                             flags=re.S)  # fmt: skip
+        else:
+            content += f"\n## Against llama.cpp: `vs_llama_cpp.py`\n\n{block}\n"
+        readme.write_text(content)
+
+
+if __name__ == "__main__":
+    main()
