@@ -43,6 +43,9 @@ _GLOBAL_NAMES = {
 }
 
 
+ROPE_FREQS = "rope_freqs.weight"
+
+
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
@@ -63,12 +66,7 @@ def read_arch(reader: GGUFReader) -> ArchConfig:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope_scaling = None
-    scaling_type = get("rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    rope_scaling = _rope_scaling(reader, get("rope.scaling.type"), get("rope.scaling.factor"))
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     window = get("attention.sliding_window")
     return ArchConfig(
@@ -90,6 +88,24 @@ def read_arch(reader: GGUFReader) -> ArchConfig:
     )
 
 
+def _rope_scaling(
+    reader: GGUFReader, scaling_type: str | None, factor: float | None
+) -> dict[str, Any] | None:
+    """llama.cpp's converter stores Llama 3's scaling not as metadata but as a tensor,
+    `rope_freqs`: rotary frequency i is divided by rope_freqs[i]. A linear factor, if
+    any, divides every frequency too, so the two fold into one list of divisors."""
+    if scaling_type not in (None, "none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    linear = float(factor) if scaling_type == "linear" else 1.0
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        factors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": [float(f) * linear for f in factors]}
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": linear}
+    return None
+
+
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's Q/K row permutation (works for weights and biases).
 
@@ -106,7 +122,7 @@ def hf_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None  # e.g. rope_freqs: derived from the metadata instead
+    return None  # e.g. rope_freqs: read into ArchConfig.rope_scaling instead
 
 
 def iter_tensors(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -30,7 +30,7 @@ from app.model.registry import DEFAULT_MODEL, default_model_path
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = "v1"  # bump when the converted layout changes
+CACHE_FORMAT = "v2"  # bump when the converted layout changes (v2: rope_freqs in arch.json)
 # End-of-turn markers of common chat templates: generation stops at any that exists.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
