@@ -104,3 +104,32 @@ def tiny_engine(
         debug_checks=True,
     )
     return LLMEngine(config, loaded)
+
+
+def tiny_hf_llama3(vocab: int, seed: int = 0):
+    """A random transformers LlamaForCausalLM shaped like Llama 3: its rope_scaling changes
+    every rotary frequency band (with head_dim 16 and an original context of 64 tokens:
+    some kept, some divided by 8, some blended)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        initializer_range=0.3,
+    )
+    return transformers.LlamaForCausalLM(config).eval()

@@ -7,7 +7,6 @@ safetensors next to the tokenizer; a warm start only maps that file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -26,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.config import ModelConfig
 from app.model.arch import ArchConfig
+from app.model.fingerprint import fingerprint
 from app.model.registry import DEFAULT_MODEL, default_model_path
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # names of app.model.llama.LlamaModel
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
-    cache_key: str | None = None  # names derived files (e.g. int8 weights) in the cache
+    # Names files derived from these weights in the cache (int8, int4): the checkpoint's
+    # name, for people, and its content fingerprint, for correctness.
+    cache_key: str | None = None
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
@@ -57,26 +59,18 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         name = path.stem if path.suffix == ".gguf" else path.name
         if not path.exists():
             raise FileNotFoundError(f"model path {path} does not exist")
+    if not path.is_dir() and path.suffix != ".gguf":
+        raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
+    key = f"{name}-{fingerprint(path)[:16]}"
     if path.is_dir():
         arch, weights, tokenizer = _load_hf_folder(path)
-    elif path.suffix == ".gguf":
-        arch, weights, tokenizer = _load_gguf_cached(path, cfg.cache_dir)
     else:
-        raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
+        converted = cfg.cache_dir / "converted" / f"{key}-{CACHE_FORMAT}"
+        arch, weights, tokenizer = _load_gguf_cached(path, converted)
     dtype = getattr(torch, cfg.dtype)
     weights = {k: v.to(dtype) for k, v in weights.items()}
     eos = _eos_token_ids(tokenizer, path)
-    return LoadedModel(name, arch, weights, tokenizer, eos, _cache_key(path))
-
-
-def _cache_key(path: Path) -> str:
-    """Changes when the checkpoint does (size and modification time of its files)."""
-    files = sorted(path.glob("*")) if path.is_dir() else [path]
-    h = hashlib.sha256(str(path.resolve()).encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return f"{path.stem}-{h.hexdigest()[:12]}"
+    return LoadedModel(name, arch, weights, tokenizer, eos, key)
 
 
 def fuse_weights(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
@@ -130,9 +124,8 @@ def _load_hf_folder(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor], ob
     return arch, fuse_weights(hf, arch), tokenizer
 
 
-def _load_gguf_cached(path: Path, cache_dir: Path) -> tuple[ArchConfig, dict, object]:
-    stat = path.stat()
-    target = cache_dir / "converted" / f"{path.stem}-{stat.st_size}-{CACHE_FORMAT}"
+def _load_gguf_cached(path: Path, target: Path) -> tuple[ArchConfig, dict, object]:
+    """`target`: the cache folder, named after the file's content (see fingerprint)."""
     if not (target / "model.safetensors").exists():
         _convert_gguf(path, target)
     arch = ArchConfig.from_dict(json.loads((target / "arch.json").read_text()))

@@ -9,35 +9,9 @@ from app.model.build import build_model
 from app.model.loader import load_model
 from app.model.registry import default_model_path
 from tests.model.gguf_export import write_llama_gguf
+from tests.tiny import tiny_hf_llama3
 
-transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama3(vocab: int, seed: int = 0):
-    """A Llama-3-shaped model: its rope_scaling changes every rotary frequency band (with
-    head_dim 16 and an original context of 64 tokens: some kept, some divided by 8, some
-    blended)."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        initializer_range=0.3,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+pytest.importorskip("transformers")
 
 
 def forward_all(model, ids: list[int]) -> torch.Tensor:
@@ -46,7 +20,7 @@ def forward_all(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_llama3_rope_scaling_survives_gguf(tmp_path, tokenizer):
-    hf = tiny_llama3(len(tokenizer))
+    hf = tiny_hf_llama3(len(tokenizer))
     path = write_llama_gguf(hf, tmp_path / "llama3.gguf", default_model_path(default_cache_dir()))
     cfg = ModelConfig(model=str(path), cache_dir=tmp_path / "cache")
     loaded = load_model(cfg)
