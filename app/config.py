@@ -63,7 +63,7 @@ class ModelConfig:
     dtype: str = "float32"
     max_model_len: int | None = None  # None: the model's own context length
     cache_dir: Path = field(default_factory=default_cache_dir)
-    # Linear weights: "none" (as loaded) or "int8" (app.model.quantize; CPU only).
+    # Linear weights: "none" (as loaded) or "int8" (app.model.quant.int8; CPU only).
     # fp32 is the default because int8 misses the greedy-agreement half of its quality
     # gate on the default model (bench/README.md, "int8 weights").
     quantization: str = "none"

@@ -29,7 +29,7 @@ from app.engine.sampler import Sampler
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.model.build import build_model
 from app.model.loader import LoadedModel, load_model
-from app.model.quantize import int8_weight_bytes
+from app.model.quant.int8 import int8_weight_bytes
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from app.config import ModelConfig
 from app.model.llama import LlamaModel
 from app.model.loader import LoadedModel, read_tensors, write_cache_dir
-from app.model.quantize import (
+from app.model.quant.int8 import (
     QUANT_FORMAT,
     int8_available,
     model_from_quantized,

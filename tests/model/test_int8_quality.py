@@ -16,8 +16,8 @@ from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.llm import LLM
 from app.engine.request import SamplingParams
 from app.model.build import build_model
-from app.model.quantize import int8_available
-from tests.model.test_quantize import forward_all
+from app.model.quant.int8 import int8_available
+from tests.model.test_int8 import forward_all
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="PyTorch without fbgemm")
 

@@ -1,4 +1,4 @@
-"""int8 weights (app.model.quantize): the layer, smoothing, and the disk cache."""
+"""int8 weights (app.model.quant.int8): the layer, smoothing, and the disk cache."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from app.config import ModelConfig
 from app.model import build as build_mod
 from app.model.build import build_model
 from app.model.llama import LlamaModel
-from app.model.quantize import (
+from app.model.quant.int8 import (
     Int8Linear,
     calibrate,
     int8_available,

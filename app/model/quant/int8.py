@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 QUANT_FORMAT = "int8-v1"  # bump when the stored layout or the calibration changes
 SMOOTH_ALPHA = 0.5
 SMOOTHED = ("qkv", "gate_up", "down")  # o_proj's input is grouped by head: left as is
-CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
+CALIBRATION_TEXT = Path(__file__).parent.parent / "calibration.txt"  # package data of app.model
 
 
 def int8_available() -> bool:
