@@ -38,7 +38,7 @@ def test_quantization_flag_and_environment(monkeypatch):
     args = build_parser().parse_args(["--quantization", "none"])
     assert engine_config(args).model.quantization == "none"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--quantization", "int4"])
+        build_parser().parse_args(["--quantization", "int2"])
 
 
 def test_dtype_flag(monkeypatch):

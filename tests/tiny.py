@@ -62,9 +62,10 @@ def tiny_loaded(tokenizer, seed: int = 0, **arch_overrides) -> LoadedModel:
     return LoadedModel("tiny", arch, tiny_weights(arch, seed), tokenizer, eos)
 
 
-# The weight format of every tiny engine; test modules that rerun a suite with int8
-# weights set it (see tests/engine/test_int8_engine.py).
+# The weight format and activation dtype of every tiny engine; test modules that rerun a
+# suite with quantized weights set them (tests/engine/test_int8_engine.py, test_int4_engine.py).
 QUANTIZATION = "none"
+DTYPE = "float32"
 
 
 def tiny_engine(
@@ -77,7 +78,7 @@ def tiny_engine(
     prefill_chunk_while_decoding: int = 64,
     prefix_caching: bool = True,
     seed: int = 0,
-    dtype: str = "float32",
+    dtype: str | None = None,  # None: DTYPE
     request_timeout_s: float | None = None,
     max_waiting: int = 256,
     **arch_overrides,
@@ -86,6 +87,7 @@ def tiny_engine(
     (the null block included) and integrity checks after every step."""
     loaded = tiny_loaded(tokenizer, seed, **arch_overrides)
     arch = loaded.arch
+    dtype = dtype or DTYPE
     per_block = 2 * arch.num_layers * block_size * arch.kv_size * getattr(torch, dtype).itemsize
     config = EngineConfig(
         model=ModelConfig(quantization=QUANTIZATION, dtype=dtype),

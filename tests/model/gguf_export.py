@@ -79,9 +79,13 @@ def write_llama_gguf(
     linear_type: GGMLQuantizationType = F32,
     embedding_type: GGMLQuantizationType = F32,
     name: str = "tiny-llama",
+    overrides: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """`model`: a transformers LlamaForCausalLM. Linear weights are stored as
-    `linear_type`, the embedding (and an untied output) as `embedding_type`, norms in F32."""
+    `linear_type`, the embedding (and an untied output) as `embedding_type`, norms in F32;
+    `overrides` sets the type of some linears by GGUF name ({"attn_v": Q8_0}), as llama.cpp's
+    mixed quantizations do."""
+    overrides = overrides or {}
     c = model.config
     writer = GGUFWriter(str(path), "llama")
     writer.add_name(name)
@@ -99,6 +103,7 @@ def write_llama_gguf(
     _copy_tokenizer(writer, tokenizer_source)
 
     def add(gguf_name: str, t: torch.Tensor, qtype: GGMLQuantizationType = F32) -> None:
+        qtype = overrides.get(gguf_name.split(".")[-2], qtype) if qtype != F32 else qtype
         data = t.detach().float().numpy()
         if qtype == F32:
             writer.add_tensor(gguf_name, data)

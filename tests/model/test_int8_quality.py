@@ -60,9 +60,9 @@ def perplexity(model, ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def models(smollm):
-    fp32, _ = build_model(smollm, ModelConfig(quantization="none"), "cpu", 4096)
-    int8, _ = build_model(smollm, ModelConfig(quantization="int8"), "cpu", 4096)
-    return fp32, int8
+    fp32 = build_model(smollm, ModelConfig(quantization="none", dtype="float32"), "cpu", 4096)
+    int8 = build_model(smollm, ModelConfig(quantization="int8", dtype="float32"), "cpu", 4096)
+    return fp32.model, int8.model
 
 
 def test_int8_perplexity_is_within_3_percent_of_fp32(smollm, models):
@@ -76,7 +76,7 @@ def test_int8_perplexity_is_within_3_percent_of_fp32(smollm, models):
 
 def greedy_16(smollm, quantization: str) -> list[list[int]]:
     config = EngineConfig(
-        model=ModelConfig(quantization=quantization),
+        model=ModelConfig(quantization=quantization, dtype="float32"),
         cache=CacheConfig(256 << 20, enable_prefix_caching=False),
     )
     llm = LLM(config=config, loaded=smollm)
