@@ -118,7 +118,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     if args.as_avx2:
-        env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+        env = dict(
+            os.environ,
+            ATEN_CPU_CAPABILITY="avx2",
+            ONEDNN_MAX_CPU_ISA="AVX2",
+            MKL_ENABLE_INSTRUCTIONS="AVX2",
+        )
         argv = [a for a in sys.argv[1:] if a != "--as-avx2"] + ["--as-avx2-child"]
         sys.exit(subprocess.run([sys.executable, __file__, *argv], env=env).returncode)
     result = measure(args)

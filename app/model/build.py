@@ -7,9 +7,9 @@ or, for "auto", the one that suits the checkpoint and this CPU:
   the codes cached, so a warm start neither reads the GGUF nor rounds anything).
 
 "auto" serves a checkpoint whose linear weights are 4-bit (the default model is Q4_1) in
-int4, with the activation dtype its kernel runs fastest in on this CPU: bf16 where the CPU
-has native bf16 (AVX-512 BF16 or AMX). Elsewhere the weights are served as loaded, in fp32.
-The start-up log says what was chosen and why.
+int4, with the activations in bf16 where the CPU has native bf16 (AVX-512 BF16 or AMX) and
+in fp32 elsewhere (the int4 matmuls themselves always run in bf16). Other checkpoints are
+served as loaded, in fp32. The start-up log says what was chosen and why.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class WeightFormat:
 
     def describe(self) -> str:
         weights = {"none": "weights as loaded", "int8": "int8 weights (W8A8, fbgemm)"}.get(
-            self.quantization, "int4 weights (groups of 32)"
+            self.quantization, "int4 weights (groups of 32, bf16 matmuls)"
         )
         return f"{weights}, {self.dtype} activations and K/V"
 
@@ -95,10 +95,11 @@ def choose_format(cfg: ModelConfig, loaded: LoadedModel, device: str) -> WeightF
             dtype = "bfloat16"
             why.append(f"bf16 activations: this CPU has native bf16 ({cpu.describe_cpu()})")
         elif quantization == "int4":
-            # The kernel's vectorized paths take bf16 only; measured on AVX2 (bench/README.md,
-            # "int4 weights") bf16 activations still beat fp32 ones 10x and fp32 weights.
-            dtype = "bfloat16"
-            why.append(f"bf16 activations: the int4 kernel's fast path ({cpu.describe_cpu()})")
+            # The int4 matmuls still run in bf16 (the kernel's only vectorized path), but
+            # without native bf16 the rest of a step (attention, norms, LM head) ran ~1.5-3x
+            # faster in fp32, measured with AVX2 kernels (bench/README.md, "int4 weights").
+            dtype = "float32"
+            why.append(f"fp32 activations: no native bf16 on this CPU ({cpu.describe_cpu()})")
         else:
             dtype = "float32"
     if quantization == "int8":
@@ -110,7 +111,7 @@ def choose_format(cfg: ModelConfig, loaded: LoadedModel, device: str) -> WeightF
         if not on_cpu or not int4_available():
             raise ValueError("int4 weights need the CPU and PyTorch's CPU int4 kernel (>= 2.6)")
         if dtype not in ("bfloat16", "float32"):
-            raise ValueError("int4 runs with bfloat16 (fast) or float32 (exact, slow) activations")
+            raise ValueError("int4 runs with bfloat16 or float32 activations")
     return WeightFormat(quantization, dtype, "; ".join(why))
 
 

@@ -142,7 +142,12 @@ def from_gguf_q4(blocks: np.ndarray, kind: str) -> Int4Weight:
 class Int4Linear(nn.Module):
     """y = x W^T + b with W in 4-bit groups, run by the int4 kernel in `dtype` (bf16: the
     vectorized path; float32: exact, slow). Inputs of another dtype are converted in and
-    the result converted back."""
+    the result converted back; the bias is added in the inputs' dtype (give it in that).
+
+    The kernel computes each row of x on its own (a row's result never depends on its
+    batch) and dequantizes the weights again for every 4 rows: ideal for decode, where a
+    few rows read 4-bit weights once, but bound by that arithmetic for a long prompt's
+    prefill (bench/README.md, "int4 weights", has the numbers)."""
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -151,17 +156,16 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 needs rows % 16 == 0 and columns % {GROUP} == 0")
         self.dtype = dtype
         self.packed = _pack(torch.from_numpy(weight.unpacked().numpy().astype(np.int32)), 1)
-        # [K / GROUP, N, 2]: (scale, zero) of each group, in the activations' dtype.
+        # [K / GROUP, N, 2]: (scale, zero) of each group, in the kernel's dtype.
         self.scale_zero = torch.stack((weight.scale, weight.zero), dim=-1).transpose(0, 1)
         self.scale_zero = self.scale_zero.contiguous().to(dtype)
-        self.bias = None if bias is None else bias.to(dtype)
+        self.bias = bias
         self.weight_nbytes = self.packed.numel() + self.scale_zero.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _int4_mm(x.to(self.dtype).contiguous(), self.packed, GROUP, self.scale_zero)
-        if self.bias is not None:
-            y = y.add_(self.bias)
-        return y.to(x.dtype)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -234,11 +238,16 @@ def model_from_int4(
     linears: dict[str, Int4Weight],
     dtype: torch.dtype,
     max_positions: int,
+    kernel_dtype: torch.dtype = torch.bfloat16,
 ) -> LlamaModel:
-    """The decoder with 4-bit linears. From `weights` (our names, any float dtype) it takes
-    what stays float: the embedding, the norms, biases, and the LM head. (Rounded to 4 bits
-    the LM head costs the default model 4.6% perplexity and 14 of 20 greedy replies: see
-    bench/README.md, "int4 weights".) Consumes `linears`."""
+    """The decoder with 4-bit linears and activations in `dtype`. The int4 matmuls run in
+    `kernel_dtype`: bf16, the kernel's fast path, whatever `dtype` is (an fp32 model rounds
+    only the matmuls' inputs to bf16); float32 is exact and ~35x slower, for tests.
+
+    From `weights` (our names, any float dtype) it takes what stays float: the embedding,
+    the norms, biases, and the LM head. (Rounded to 4 bits the LM head costs the default
+    model 4.6% perplexity and 14 of 20 greedy replies: see bench/README.md, "int4 weights".)
+    Consumes `linears`."""
     with torch.device("meta"):
         model = LlamaModel(arch, max_positions)
     float_names = []
@@ -246,7 +255,8 @@ def model_from_int4(
         for name in LINEARS:
             p = f"layers.{i}.{name}"
             bias = weights.get(f"{p}.bias")
-            setattr(layer, name, Int4Linear(linears.pop(p), bias, dtype))
+            bias = None if bias is None else bias.to(dtype, copy=True)
+            setattr(layer, name, Int4Linear(linears.pop(p), bias, kernel_dtype))
             float_names += [f"{p}.weight", f"{p}.bias"]
     # Copies in the model's dtype: the sources may be memory-mapped from the cache.
     plain = {k: v.to(dtype, copy=True) for k, v in weights.items() if k not in float_names}
