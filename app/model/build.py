@@ -121,10 +121,10 @@ def build_model(
     """The runtime model, in the format `choose_format` picks."""
     fmt = choose_format(cfg, loaded, device)
     log.info(
-        "model %s: %s%s (exact reference: %s)",
+        "model %s: %s%s; exact reference: %s",
         loaded.name,
         fmt.describe(),
-        f" (auto: {fmt.why})" if fmt.why else "",
+        f"; chosen by auto: {fmt.why}" if fmt.why else "",
         EXACT_REFERENCE,
     )
     if fmt.quantization == "int8":

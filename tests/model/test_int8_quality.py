@@ -52,6 +52,13 @@ GATE_AGREEMENT = 15  # of 20 prompts, from the issue that introduced int8
 FLOOR_AGREEMENT = 5
 
 
+def gate_text(tokenizer) -> list[int]:
+    text = (DATA / "lighthouses.txt").read_text() + "\n\n" + (DATA / "essays.txt").read_text()
+    ids = tokenizer.encode(text)
+    assert len(ids) >= 2000
+    return ids
+
+
 def perplexity(model, ids: list[int]) -> float:
     logits = forward_all(model, ids)[:-1].double()
     logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])
@@ -66,17 +73,15 @@ def models(smollm):
 
 
 def test_int8_perplexity_is_within_3_percent_of_fp32(smollm, models):
-    text = (DATA / "lighthouses.txt").read_text() + "\n\n" + (DATA / "essays.txt").read_text()
-    ids = smollm.tokenizer.encode(text)
-    assert len(ids) >= 2000
+    ids = gate_text(smollm.tokenizer)
     fp32, int8 = (perplexity(m, ids) for m in models)
     print(f"perplexity fp32 {fp32:.3f} int8 {int8:.3f} ratio {int8 / fp32:.4f}")
     assert int8 <= 1.03 * fp32
 
 
-def greedy_16(smollm, quantization: str) -> list[list[int]]:
+def greedy_16(smollm, quantization: str, dtype: str = "float32") -> list[list[int]]:
     config = EngineConfig(
-        model=ModelConfig(quantization=quantization, dtype="float32"),
+        model=ModelConfig(quantization=quantization, dtype=dtype),
         cache=CacheConfig(256 << 20, enable_prefix_caching=False),
     )
     llm = LLM(config=config, loaded=smollm)
