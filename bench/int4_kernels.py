@@ -7,9 +7,8 @@ activations) against the oneDNN-packed fp32 and bf16 linears and plain fp32 F.li
 
 Shapes are SmolLM2-135M's (qkv, o_proj, gate_up, down, LM head). Each layer gets --copies
 distinct weights, cycled through, so that weights come from memory as in a real decode
-step rather than from cache; a figure is microseconds per call, the best of --repeats
-passes (a shared machine only ever adds time). The last line of each row count adds up a
-decode step's matmuls: 30 layers and the LM head.
+step rather than from cache; a figure is microseconds a call (see `call_us`). `step_ms`
+adds up a decode step's matmuls: 30 layers and the LM head.
 
 --as-avx2 sets ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for a child process:
 the kernels an AVX2-only CPU would run, on this CPU's memory and caches. oneDNN's bf16
@@ -22,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -65,16 +65,21 @@ def layers(fmt: str, n: int, k: int, copies: int, avx2: bool) -> list:
     return out
 
 
-def best_us(fns: list, x: torch.Tensor, repeats: int) -> float:
+def call_us(fns: list, x: torch.Tensor, repeats: int) -> float:
+    """Microseconds a call: each copy's fastest of `repeats` calls (one a pass through all
+    copies, so its weight has left the cache in between), averaged over the copies. The
+    fastest, not a median: on a shared machine a thread of the pool is now and then
+    descheduled and the other waits for it (~8 ms here); with a busy neighbour that spoils
+    most calls, and only the unspoilt ones measure the kernel."""
     for fn in fns[:2]:
         fn(x)
-    times = []
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        for fn in fns:
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
             fn(x)
-        times.append((time.perf_counter() - start) / len(fns))
-    return min(times) * 1e6
+            best[i] = min(best[i], time.perf_counter() - start)
+    return statistics.fmean(best) * 1e6
 
 
 @torch.inference_mode()
@@ -95,7 +100,7 @@ def measure(args: argparse.Namespace) -> dict:
                     break
                 dtype = torch.bfloat16 if fmt.endswith("bf16") else torch.float32
                 x = torch.randn(rows, k).to(dtype)
-                us = best_us(fns, x, args.repeats)
+                us = call_us(fns, x, args.repeats)
                 per_layer[name] = round(us, 1)
                 step += us * calls
             else:

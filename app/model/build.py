@@ -96,8 +96,9 @@ def choose_format(cfg: ModelConfig, loaded: LoadedModel, device: str) -> WeightF
             why.append(f"bf16 activations: this CPU has native bf16 ({cpu.describe_cpu()})")
         elif quantization == "int4":
             # The int4 matmuls still run in bf16 (the kernel's only vectorized path), but
-            # without native bf16 the rest of a step (attention, norms, LM head) ran ~1.5-3x
-            # faster in fp32, measured with AVX2 kernels (bench/README.md, "int4 weights").
+            # without native bf16 attention, norms and the LM head are emulated in bf16:
+            # with AVX2 kernels, decode at 8-32 requests ran 1.3-1.5x faster with fp32
+            # around the matmuls (bench/README.md, "int4 weights").
             dtype = "float32"
             why.append(f"fp32 activations: no native bf16 on this CPU ({cpu.describe_cpu()})")
         else:

@@ -15,7 +15,7 @@ bit for bit as its GGUF stores them (no dequantize-then-requantize):
 
 The kernel's vectorized x86 code (AVX-512 and AVX2 alike) takes bf16 activations and
 bf16 group scales and accumulates in fp32; fp32 activations go through a scalar loop that
-computes the GGUF's own weights exactly but ~35x slower (bench/int4_kernels.py). So bf16
+computes the GGUF's own weights exactly but ~40x slower (bench/int4_kernels.py). So bf16
 is the fast path, and rounding x, d and m + 8 d to bf16 (<= 0.4% each) is its price: on
 the default model no more than bf16 activations cost anyway (bench/README.md, "int4
 weights"). Weights that arrive as floats are rounded to nearest, asymmetric per group
@@ -242,7 +242,7 @@ def model_from_int4(
 ) -> LlamaModel:
     """The decoder with 4-bit linears and activations in `dtype`. The int4 matmuls run in
     `kernel_dtype`: bf16, the kernel's fast path, whatever `dtype` is (an fp32 model rounds
-    only the matmuls' inputs to bf16); float32 is exact and ~35x slower, for tests.
+    only the matmuls' inputs to bf16); float32 is exact and ~40x slower, for tests.
 
     From `weights` (our names, any float dtype) it takes what stays float: the embedding,
     the norms, biases, and the LM head. (Rounded to 4 bits the LM head costs the default
