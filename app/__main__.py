@@ -31,16 +31,19 @@ FLAGS: list[tuple[str, dict]] = [
         "--quantization",
         dict(
             choices=QUANTIZATIONS,
-            default="none",
-            help="linear weights: none (as loaded, fp32) or int8 (CPU; faster, less exact)",
+            default="auto",
+            help="linear weights: none (as loaded), int8 (CPU; faster, less exact), int4 (CPU; "
+            "a GGUF's Q4_0/Q4_1 as stored), auto (int4 for 4-bit checkpoints, else none)",
         ),
     ),
     (
         "--dtype",
         dict(
             choices=DTYPES,
-            default="float32",
-            help="weights, activations and K/V: bfloat16 is faster where the CPU has bf16",
+            default="auto",
+            help="activations, K/V and float weights: bfloat16 is faster where the CPU has bf16; "
+            "auto: bfloat16 for int4 where the CPU has native bf16, else float32 "
+            "(exact reference: --quantization none --dtype float32)",
         ),
     ),
     ("--host", dict(default="127.0.0.1", help="address to listen on")),

@@ -47,8 +47,9 @@ def default_cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "parley"
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8")
+# "auto": chosen at load by the checkpoint and the CPU (app.model.build.choose_format).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,17 @@ class ModelConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     cache_dir: Path = field(default_factory=default_cache_dir)
-    # Linear weights: "none" (as loaded) or "int8" (app.model.quantize; CPU only).
-    # fp32 is the default because int8 misses the greedy-agreement half of its quality
-    # gate on the default model (bench/README.md, "int8 weights").
-    quantization: str = "none"
+    # Linear weights: "none" (as loaded), "int8" (app.model.quant.int8; CPU only), "int4"
+    # (app.model.quant.int4: a GGUF's Q4_0 / Q4_1 as stored, others rounded; CPU only), or
+    # "auto". `dtype` is the activations', the K/V cache's and the float weights'.
+    # "auto" (both): a 4-bit checkpoint such as the default model runs in int4 with bf16
+    # activations where the CPU has native bf16, fp32 elsewhere; any other in fp32, as
+    # loaded. int4 passes the quality gate that int8 misses (bench/README.md). The exact
+    # reference is quantization="none", dtype="float32".
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -1,12 +1,14 @@
-"""Engine throughput: Parley (fp32 and int8 weights) against transformers' generate, side
-by side in one process.
+"""Engine throughput: Parley in several weight formats (fp32, bf16, int4, int8) against
+transformers' generate, side by side in one process.
 
-    python bench/engine_throughput.py            # everything (~10 minutes on 2 cores)
+    python bench/engine_throughput.py            # everything (~20 minutes on 2 cores)
     python bench/engine_throughput.py --quick    # fewer tokens, for a smoke run
+    python bench/engine_throughput.py --quick --skip-hf --formats fp32,bf16,int4
 
 This machine is shared and noisy: every figure that has a target is a ratio against a
-baseline measured in the same run, each side taking the best of --repeats runs, and the
-runs of the two sides alternate. Writes a JSON file with every number (--out).
+baseline measured in the same run (transformers, or Parley's fp32 for the other formats),
+each side taking the best of --repeats runs, and the runs of the sides alternate. Writes
+a JSON file with every number (--out).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.config import CacheConfig, EngineConfig, GiB, ModelConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig, parse_size
 from app.engine.engine import LLMEngine
 from app.engine.request import SamplingParams
 from app.model.loader import load_model
@@ -184,6 +186,16 @@ def hf_forward(model, prompt: list[int]) -> float:
 # -- the run -----------------------------------------------------------------------------
 
 
+def alternate(engines: dict, fn, repeats: int) -> dict[str, list]:
+    """`fn(engine)` `repeats` times for each engine, taking turns, so that a noisy spell of
+    the machine falls on every format alike."""
+    runs: dict[str, list] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            runs[name].append(fn(engine))
+    return runs
+
+
 def best(fn, repeats: int, key: str = "tok_s", lower: bool = False):
     runs = [fn() for _ in range(repeats)]
     if isinstance(runs[0], float):
@@ -191,7 +203,18 @@ def best(fn, repeats: int, key: str = "tok_s", lower: bool = False):
     return (min if lower else max)(runs, key=lambda r: r[key])
 
 
-def peak_rss_child(kv_bytes: int, max_tokens: int, quantization: str = "none") -> dict:
+# The formats a run can compare: --formats picks among them; fp32 is the baseline.
+FORMATS = {
+    "fp32": ("none", "float32"),
+    "bf16": ("none", "bfloat16"),
+    "int4": ("int4", "bfloat16"),
+    "int4-fp32": ("int4", "float32"),  # fp32 activations around bf16 int4 matmuls
+    "int8": ("int8", "float32"),
+    "default": ("auto", "auto"),
+}
+
+
+def peak_rss_child(kv_bytes: int, max_tokens: int, fmt: str = "fp32") -> dict:
     """Peak RSS of a fresh process that loads the model with a `kv_bytes` cache and
     serves 64 requests (so that the cache is really written). Read from VmHWM: a child's
     ru_maxrss starts from its parent's peak (Linux carries it across fork and exec)."""
@@ -203,7 +226,8 @@ torch.set_num_threads(2)
 from bench.engine_throughput import short_prompts, parley_batch
 from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
-e = LLMEngine(EngineConfig(model=ModelConfig(quantization={quantization!r}),
+q, d = {FORMATS[fmt]!r}
+e = LLMEngine(EngineConfig(model=ModelConfig(quantization=q, dtype=d),
                            cache=CacheConfig(kv_cache_bytes={kv_bytes})))
 weights = e.model_bytes
 parley_batch(e, short_prompts(e.tokenizer, 64), {max_tokens})
@@ -224,50 +248,66 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--skip-int8", action="store_true", help="no int8 column")
+    ap.add_argument(
+        "--formats",
+        default="fp32,int8",
+        help=f"comma-separated, fp32 first (the baseline): {', '.join(FORMATS)}",
+    )
+    ap.add_argument("--kv-cache-size", type=parse_size, default="2GiB", help="per engine")
+    ap.add_argument("--skip-tables", action="store_true", help="no concurrency table, no ITL")
     ap.add_argument("--out", default="bench/results/engine_throughput.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     max_tokens = 32 if args.quick else 128
+    formats = args.formats.split(",")
+    if formats[0] != "fp32" or any(f not in FORMATS for f in formats):
+        ap.error(f"--formats: fp32 first, then any of {', '.join(FORMATS)}")
     results: dict = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": torch.get_num_threads(),
             "torch": torch.__version__,
             "python": platform.python_version(),
+            "capability": torch.backends.cpu.get_cpu_capability(),
         },
         "max_tokens": max_tokens,
+        "formats": formats,
     }
 
     loaded = load_model(ModelConfig())
-    engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_bytes=2 * GiB)), loaded)
-    int8 = None
-    if not args.skip_int8:
+    engines = {}
+    for fmt in formats:
+        q, d = FORMATS[fmt]
         config = EngineConfig(
-            model=ModelConfig(quantization="int8"), cache=CacheConfig(kv_cache_bytes=2 * GiB)
+            model=ModelConfig(quantization=q, dtype=d),
+            cache=CacheConfig(kv_cache_bytes=args.kv_cache_size),
         )
-        int8 = LLMEngine(config, loaded)
+        engines[fmt] = LLMEngine(config, loaded)
+        results.setdefault("weights", {})[fmt] = engines[fmt].weight_format
+    engine = engines["fp32"]
     tok = engine.tokenizer
     hf = None if args.skip_hf else hf_model(Path(_default_path()))
     pad = tok.eos_token_id
 
     def compare(name: str, n: int) -> None:
         prompts = short_prompts(tok, n)
-        parley = best(lambda: parley_batch(engine, prompts, max_tokens), args.repeats)
-        row = {"requests": n, "prompt_tokens": len(prompts[0]), "parley": parley}
-        if int8 is not None:
-            row["parley_int8"] = best(lambda: parley_batch(int8, prompts, max_tokens), args.repeats)
-            row["int8_vs_fp32"] = row["parley_int8"]["tok_s"] / parley["tok_s"]
-            if n == 1:
-                row["int8_vs_fp32_decode"] = (
-                    row["parley_int8"]["decode_tok_s"] / parley["decode_tok_s"]
-                )
+        row: dict = {"requests": n, "prompt_tokens": len(prompts[0])}
+        runs = alternate(engines, lambda e: parley_batch(e, prompts, max_tokens), args.repeats)
+        for fmt, rs in runs.items():
+            label = "parley" if fmt == "fp32" else f"parley_{fmt}"
+            row[label] = max(rs, key=lambda r: r["tok_s"])
+            if fmt != "fp32":
+                row[f"{fmt}_vs_fp32"] = row[label]["tok_s"] / row["parley"]["tok_s"]
+                if n == 1:
+                    row[f"{fmt}_vs_fp32_decode"] = (
+                        row[label]["decode_tok_s"] / row["parley"]["decode_tok_s"]
+                    )
         if hf is not None:
             base = best(lambda: hf_batch(hf, prompts, max_tokens, pad), args.repeats)
             row["hf"] = base
-            row["ratio"] = parley["tok_s"] / base["tok_s"]
+            row["ratio"] = row["parley"]["tok_s"] / base["tok_s"]
             if n == 1:
-                row["parley_decode_vs_hf"] = parley["decode_tok_s"] / base["tok_s"]
+                row["parley_decode_vs_hf"] = row["parley"]["decode_tok_s"] / base["tok_s"]
         results[name] = row
         print(name, json.dumps(row), flush=True)
 
@@ -276,36 +316,39 @@ def main() -> None:
     compare("batch_32", 32)
 
     long = long_prompt(tok, 1500, "ttft")
-    ttft = {"prompt_tokens": len(long)}
-    ttft["parley_s"] = best(lambda: parley_ttft(engine, long), args.repeats, lower=True)
-    if int8 is not None:
-        ttft["parley_int8_s"] = best(lambda: parley_ttft(int8, long), args.repeats, lower=True)
+    ttft: dict = {"prompt_tokens": len(long)}
+    for fmt, rs in alternate(engines, lambda e: parley_ttft(e, long), args.repeats).items():
+        label = "parley_s" if fmt == "fp32" else f"parley_{fmt}_s"
+        ttft[label] = min(rs)
+        if fmt != "fp32":
+            ttft[f"{fmt}_vs_fp32"] = ttft[label] / ttft["parley_s"]
     if hf is not None:
         ttft["hf_forward_s"] = best(lambda: hf_forward(hf, long), args.repeats, lower=True)
         ttft["ratio"] = ttft["parley_s"] / ttft["hf_forward_s"]
     results["ttft_1500"] = ttft
     print("ttft_1500", json.dumps(ttft), flush=True)
 
-    engines = {"": engine} if int8 is None else {"": engine, "int8": int8}
-    for label, e in engines.items():
-        table = {}
-        for n in (1, 4, 8, 16, 32, 64):
-            r = parley_batch(e, short_prompts(tok, n), max_tokens)
-            table[n] = round(r["tok_s"], 1)
-            print(f"concurrency {n}{label and ', ' + label}: {r['tok_s']:.1f} tok/s", flush=True)
-        results[f"concurrency_{label and label + '_'}tok_s"] = table
+    if not args.skip_tables:
+        for fmt, e in engines.items():
+            table = {}
+            for n in (1, 4, 8, 16, 32, 64):
+                r = parley_batch(e, short_prompts(tok, n), max_tokens)
+                table[n] = round(r["tok_s"], 1)
+                print(f"concurrency {n}, {fmt}: {r['tok_s']:.1f} tok/s", flush=True)
+            results[f"concurrency_{'' if fmt == 'fp32' else fmt + '_'}tok_s"] = table
+        long_2k = long_prompt(tok, 2000, "l")
+        itl = parley_itl_under_long_prefill(engine, short_prompts(tok, 8), long_2k)
+        results["itl_under_long_prefill"] = itl
+        print("itl_under_long_prefill", json.dumps(itl), flush=True)
 
-    itl = parley_itl_under_long_prefill(engine, short_prompts(tok, 8), long_prompt(tok, 2000, "l"))
-    results["itl_under_long_prefill"] = itl
-    print("itl_under_long_prefill", json.dumps(itl), flush=True)
-
-    results["rss"] = peak_rss_child(2 * GiB, max_tokens)
-    print("rss", json.dumps(results["rss"]), flush=True)
-    if int8 is not None:
-        results["rss_int8"] = rss = peak_rss_child(2 * GiB, max_tokens, "int8")
-        if "peak_rss_mib" in rss and "peak_rss_mib" in results["rss"]:
+    engines.clear()  # the children measure memory on their own
+    del engine
+    for fmt in formats:
+        key = "rss" if fmt == "fp32" else f"rss_{fmt}"
+        results[key] = rss = peak_rss_child(args.kv_cache_size, max_tokens, fmt)
+        if fmt != "fp32" and "peak_rss_mib" in rss and "peak_rss_mib" in results["rss"]:
             rss["saved_vs_fp32_mib"] = results["rss"]["peak_rss_mib"] - rss["peak_rss_mib"]
-        print("rss_int8", json.dumps(rss), flush=True)
+        print(key, json.dumps(rss), flush=True)
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

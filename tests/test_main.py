@@ -32,17 +32,17 @@ def test_bad_sizes(text):
 
 
 def test_quantization_flag_and_environment(monkeypatch):
-    assert engine_config(build_parser().parse_args([])).model.quantization == "none"
+    assert engine_config(build_parser().parse_args([])).model.quantization == "auto"
     monkeypatch.setenv("PARLEY_QUANTIZATION", "int8")
     assert engine_config(build_parser().parse_args([])).model.quantization == "int8"
     args = build_parser().parse_args(["--quantization", "none"])
     assert engine_config(args).model.quantization == "none"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--quantization", "int4"])
+        build_parser().parse_args(["--quantization", "int2"])
 
 
 def test_dtype_flag(monkeypatch):
-    assert engine_config(build_parser().parse_args([])).model.dtype == "float32"
+    assert engine_config(build_parser().parse_args([])).model.dtype == "auto"
     monkeypatch.setenv("PARLEY_DTYPE", "bfloat16")
     assert engine_config(build_parser().parse_args([])).model.dtype == "bfloat16"
     with pytest.raises(SystemExit):

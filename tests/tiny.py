@@ -62,9 +62,10 @@ def tiny_loaded(tokenizer, seed: int = 0, **arch_overrides) -> LoadedModel:
     return LoadedModel("tiny", arch, tiny_weights(arch, seed), tokenizer, eos)
 
 
-# The weight format of every tiny engine; test modules that rerun a suite with int8
-# weights set it (see tests/engine/test_int8_engine.py).
+# The weight format and activation dtype of every tiny engine; test modules that rerun a
+# suite with quantized weights set them (tests/engine/test_int8_engine.py, test_int4_engine.py).
 QUANTIZATION = "none"
+DTYPE = "float32"
 
 
 def tiny_engine(tokenizer, **kw) -> LLMEngine:
@@ -84,7 +85,7 @@ def tiny_parts(
     prefill_chunk_while_decoding: int = 64,
     prefix_caching: bool = True,
     seed: int = 0,
-    dtype: str = "float32",
+    dtype: str | None = None,  # None: DTYPE
     request_timeout_s: float | None = None,
     max_waiting: int = 256,
     batching: str = "static",  # fixed chunks: schedules the tests can predict
@@ -94,6 +95,7 @@ def tiny_parts(
     Ray actor)."""
     loaded = tiny_loaded(tokenizer, seed, **arch_overrides)
     arch = loaded.arch
+    dtype = dtype or DTYPE
     per_block = 2 * arch.num_layers * block_size * arch.kv_size * getattr(torch, dtype).itemsize
     config = EngineConfig(
         model=ModelConfig(quantization=QUANTIZATION, dtype=dtype),
@@ -113,3 +115,32 @@ def tiny_parts(
         debug_checks=True,
     )
     return config, loaded
+
+
+def tiny_hf_llama3(vocab: int, seed: int = 0):
+    """A random transformers LlamaForCausalLM shaped like Llama 3: its rope_scaling changes
+    every rotary frequency band (with head_dim 16 and an original context of 64 tokens:
+    some kept, some divided by 8, some blended)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        initializer_range=0.3,
+    )
+    return transformers.LlamaForCausalLM(config).eval()

@@ -37,7 +37,6 @@ from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from app.engine.structured import GrammarCompiler
 from app.model.build import build_model
 from app.model.loader import LoadedModel, load_model
-from app.model.quantize import int8_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +54,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self._resolve_max_model_len(loaded)
-        dtype = getattr(torch, config.model.dtype)
-        self.model, self.weight_format = build_model(
-            loaded, config.model, config.device, self.max_model_len
-        )
-        if config.model.quantization == "int8":
-            self.model_bytes = int8_weight_bytes(self.model)
-        else:  # the loaded weights, in the dtype they run in
-            self.model_bytes = sum(w.numel() for w in loaded.weights.values()) * dtype.itemsize
+        built = build_model(loaded, config.model, config.device, self.max_model_len)
+        self.model, self.weight_format = built.model, built.format.describe()
+        self.model_bytes = built.weight_bytes
+        dtype = built.format.torch_dtype  # K/V follow the activations
         if model is None:
             # Ours alone: drop the memory-mapped weights before the KV cache takes memory.
             loaded.weights = {}
@@ -81,8 +76,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._next_housekeeping = 0.0
         log.info(
-            "engine ready: %s, %s weights, max_model_len %d, KV cache %d blocks x %d tokens "
-            "(%.0f MiB)",
+            "engine ready: %s, %s, max_model_len %d, KV cache %d blocks x %d tokens (%.0f MiB)",
             self.model_name,
             self.weight_format,
             self.max_model_len,

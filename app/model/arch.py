@@ -12,7 +12,9 @@ from app.model.registry import SUPPORTED_ARCHITECTURES
 @dataclass(frozen=True)
 class ArchConfig:
     """Hyper-parameters of the decoder. `rope_scaling` follows transformers' dict form
-    ({"rope_type": "llama3" | "linear" | "default", "factor": ..., ...})."""
+    ({"rope_type": "llama3" | "linear" | "default", "factor": ..., ...}), plus one of
+    llama.cpp's: {"rope_type": "freq_factors", "factors": [...]}, a divisor for each of the
+    head_dim / 2 rotary frequencies (what a GGUF's `rope_freqs` tensor holds)."""
 
     architecture: str
     vocab_size: int
@@ -39,8 +41,15 @@ class ArchConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ("default", "linear", "llama3", "freq_factors"):
             raise ValueError(f"unsupported rope scaling {rope_type!r}")
+        if rope_type == "freq_factors":
+            factors = self.rope_scaling["factors"]  # type: ignore[index]
+            if len(factors) != self.head_dim // 2 or min(factors) <= 0:
+                raise ValueError(
+                    f"rope frequency factors: {self.head_dim // 2} positive numbers expected, "
+                    f"got {len(factors)}"
+                )
 
     @property
     def q_size(self) -> int:

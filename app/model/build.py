@@ -1,23 +1,39 @@
-"""Loaded weights -> the model the engine runs: fp32 with oneDNN-packed linears, or int8.
+"""Loaded weights -> the model the engine runs, in the weight format ModelConfig asks for
+or, for "auto", the one that suits the checkpoint and this CPU:
 
-int8 weights are produced once (calibration, smoothing, quantization: a few seconds) and
-kept next to the converted fp32 weights, so a warm start maps them directly and never
-touches the fp32 file.
+- "none": the weights as loaded, in `dtype`, linears prepacked for oneDNN on x86;
+- "int8": app.model.quant.int8 (calibrated once, cached);
+- "int4": app.model.quant.int4 (a GGUF's Q4_0 / Q4_1 blocks as stored, others rounded;
+  the codes cached, so a warm start neither reads the GGUF nor rounds anything).
+
+"auto" serves a checkpoint whose linear weights are 4-bit (the default model is Q4_1) in
+int4, with the activations in bf16 where the CPU has native bf16 (AVX-512 BF16 or AMX) and
+in fp32 elsewhere (the int4 matmuls themselves always run in bf16). Other checkpoints are
+served as loaded, in fp32. The start-up log says what was chosen and why.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from app.config import ModelConfig
+from app.model import cpu
 from app.model.llama import LlamaModel
 from app.model.loader import LoadedModel, read_tensors, write_cache_dir
-from app.model.quantize import (
+from app.model.quant.int4 import (
+    int4_available,
+    int4_from_state_dict,
+    int4_linears,
+    int4_state_dict,
+    model_from_int4,
+)
+from app.model.quant.int8 import (
     QUANT_FORMAT,
     int8_available,
     model_from_quantized,
@@ -27,30 +43,142 @@ from app.model.quantize import (
 
 log = logging.getLogger(__name__)
 
+INT4_FORMAT = "int4-v1"  # bump when the stored 4-bit layout changes
+NATIVE_4BIT = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 kernel runs as they are
+EXACT_REFERENCE = "--quantization none --dtype float32"
 
-def check_quantization(cfg: ModelConfig, device: str) -> None:
-    """Refuse, with the reason, a weight format this machine cannot run."""
-    if cfg.quantization != "int8":
-        return
-    if torch.device(device).type != "cpu" or not int8_available():
-        raise ValueError("int8 weights need the CPU and a PyTorch build with fbgemm")
-    if cfg.dtype != "float32":
-        raise ValueError("int8 weights are made from float32 weights (dtype float32)")
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """What the model runs: its linear weights' format, and the dtype of activations, K/V
+    and float weights; `why` says how "auto" was resolved (for the start-up log)."""
+
+    quantization: str  # "none" | "int8" | "int4"
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    why: str = ""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def describe(self) -> str:
+        weights = {"none": "weights as loaded", "int8": "int8 weights (W8A8, fbgemm)"}.get(
+            self.quantization, "int4 weights (groups of 32, bf16 matmuls)"
+        )
+        return f"{weights}, {self.dtype} activations and K/V"
+
+
+@dataclass
+class BuiltModel:
+    """The runtime model and what the engine needs to know about it."""
+
+    model: LlamaModel
+    format: WeightFormat
+    weight_bytes: int  # resident bytes of weights, however they are stored
+
+
+def choose_format(cfg: ModelConfig, loaded: LoadedModel, device: str) -> WeightFormat:
+    """Resolve "auto" in cfg.quantization and cfg.dtype; refuse a format this machine cannot
+    run, with the reason."""
+    on_cpu = torch.device(device).type == "cpu"
+    quantization, dtype, why = cfg.quantization, cfg.dtype, []
+    if quantization == "auto":
+        stored = loaded.linear_types()
+        if on_cpu and int4_available() and stored and stored <= NATIVE_4BIT:
+            quantization = "int4"
+            why.append(f"the checkpoint's linear weights are {'/'.join(sorted(stored))}: int4")
+        else:
+            quantization = "none"
+            why.append("weights as loaded")
+    if dtype == "auto":
+        if quantization == "int4" and cpu.cpu_has_bf16():
+            dtype = "bfloat16"
+            why.append(f"bf16 activations: this CPU has native bf16 ({cpu.describe_cpu()})")
+        elif quantization == "int4":
+            # The int4 matmuls still run in bf16 (the kernel's only vectorized path), but
+            # without native bf16 attention, norms and the LM head are emulated in bf16:
+            # with AVX2 kernels, decode at 8-32 requests ran 1.3-1.5x faster with fp32
+            # around the matmuls (bench/README.md, "int4 weights").
+            dtype = "float32"
+            why.append(f"fp32 activations: no native bf16 on this CPU ({cpu.describe_cpu()})")
+        else:
+            dtype = "float32"
+    if quantization == "int8":
+        if not on_cpu or not int8_available():
+            raise ValueError("int8 weights need the CPU and a PyTorch build with fbgemm")
+        if dtype != "float32":
+            raise ValueError("int8 weights are made from float32 weights (dtype float32)")
+    if quantization == "int4":
+        if not on_cpu or not int4_available():
+            raise ValueError("int4 weights need the CPU and PyTorch's CPU int4 kernel (>= 2.6)")
+        if dtype not in ("bfloat16", "float32"):
+            raise ValueError("int4 runs with bfloat16 or float32 activations")
+    return WeightFormat(quantization, dtype, "; ".join(why))
 
 
 def build_model(
     loaded: LoadedModel, cfg: ModelConfig, device: str, max_positions: int
-) -> tuple[LlamaModel, str]:
-    """The runtime model and a word on its weights for the start-up log."""
-    check_quantization(cfg, device)
-    if cfg.quantization == "int8":
-        return _int8_model(loaded, cfg.cache_dir, max_positions), "int8 (W8A8, fbgemm)"
-    dtype = getattr(torch, cfg.dtype)
-    weights = {k: v.to(dtype) for k, v in loaded.weights.items()}  # no copy when equal
-    model = LlamaModel.from_weights(loaded.arch, weights, max_positions).to(device)
-    if torch.device(device).type == "cpu":
-        model.pack_for_cpu()
-    return model, cfg.dtype
+) -> BuiltModel:
+    """The runtime model, in the format `choose_format` picks."""
+    fmt = choose_format(cfg, loaded, device)
+    log.info(
+        "model %s: %s%s; exact reference: %s",
+        loaded.name,
+        fmt.describe(),
+        f"; chosen by auto: {fmt.why}" if fmt.why else "",
+        EXACT_REFERENCE,
+    )
+    if fmt.quantization == "int8":
+        model = _int8_model(loaded, cfg.cache_dir, max_positions)
+    elif fmt.quantization == "int4":
+        model = _int4_model(loaded, cfg.cache_dir, fmt.torch_dtype, max_positions)
+    else:
+        weights = {k: v.to(fmt.torch_dtype) for k, v in loaded.weights.items()}  # no copy if equal
+        model = LlamaModel.from_weights(loaded.arch, weights, max_positions).to(device)
+        if torch.device(device).type == "cpu":
+            model.pack_for_cpu()
+    return BuiltModel(model, fmt, weight_bytes(model))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters plus the weights that packed layers hold outside them."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total + sum(getattr(m, "weight_nbytes", 0) for m in model.modules())
+
+
+def _int4_model(
+    loaded: LoadedModel, cache_dir: Path, dtype: torch.dtype, max_positions: int
+) -> LlamaModel:
+    target = None
+    if loaded.cache_key is not None:
+        target = cache_dir / "converted" / f"{loaded.cache_key}-{INT4_FORMAT}"
+        if (target / "model.safetensors").exists():
+            linears = int4_from_state_dict(read_tensors(target / "model.safetensors"))
+            return model_from_int4(loaded.arch, loaded.weights, linears, dtype, max_positions)
+    started = time.monotonic()
+    stored = {}
+    if loaded.source is not None and loaded.source.suffix == ".gguf":
+        from app.model.gguf_file import iter_q4_weights, open_gguf
+
+        reader, _ = open_gguf(loaded.source)
+        stored = dict(iter_q4_weights(reader, loaded.arch))
+    linears, as_stored = int4_linears(loaded.arch, loaded.weights, stored)
+    parts = 7 * loaded.arch.num_layers  # q, k, v, o, gate, up, down
+    log.info(
+        "int4 weights of %s in %.1f s: %d of %d linear weights as the checkpoint stores them, "
+        "the others rounded to nearest",
+        loaded.name,
+        time.monotonic() - started,
+        as_stored,
+        parts,
+    )
+    if target is not None:
+        state = int4_state_dict(linears)
+        info = {"as_stored": str(as_stored), "parts": str(parts)}
+        write_cache_dir(
+            target, lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata=info)
+        )
+    return model_from_int4(loaded.arch, loaded.weights, linears, dtype, max_positions)
 
 
 def _int8_model(loaded: LoadedModel, cache_dir: Path, max_positions: int) -> LlamaModel:
@@ -62,7 +190,7 @@ def _int8_model(loaded: LoadedModel, cache_dir: Path, max_positions: int) -> Lla
             return model_from_quantized(loaded.arch, state, max_positions)
     started = time.monotonic()
     # The fp32 tensors may be memory-mapped from the cache: work on copies.
-    weights = {k: v.clone() for k, v in loaded.weights.items()}
+    weights = {k: v.float().clone() for k, v in loaded.weights.items()}
     model = quantize_model(
         LlamaModel.from_weights(loaded.arch, weights, max_positions), loaded.tokenizer
     )

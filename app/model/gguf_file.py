@@ -1,6 +1,9 @@
 """Read a GGUF file (llama.cpp's format) into an ArchConfig and Hugging Face-named float
 tensors, with the `gguf` package alone (transformers' GGUF path is ~10x slower).
 
+The 4-bit blocks of Q4_0 / Q4_1 tensors can also be read as they are (`iter_q4_weights`),
+for the int4 weight format (app.model.quant.int4).
+
 Two traps:
 - GGUF stores shapes innermost-first; `gguf` gives numpy arrays already in PyTorch's
   [out_features, in_features] order once dequantized.
@@ -21,6 +24,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from app.model.arch import ArchConfig
+from app.model.quant.int4 import Int4Weight, from_gguf_q4
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -43,6 +47,9 @@ _GLOBAL_NAMES = {
 }
 
 
+ROPE_FREQS = "rope_freqs.weight"
+
+
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
@@ -63,12 +70,7 @@ def read_arch(reader: GGUFReader) -> ArchConfig:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope_scaling = None
-    scaling_type = get("rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    rope_scaling = _rope_scaling(reader, get("rope.scaling.type"), get("rope.scaling.factor"))
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     window = get("attention.sliding_window")
     return ArchConfig(
@@ -90,6 +92,24 @@ def read_arch(reader: GGUFReader) -> ArchConfig:
     )
 
 
+def _rope_scaling(
+    reader: GGUFReader, scaling_type: str | None, factor: float | None
+) -> dict[str, Any] | None:
+    """llama.cpp's converter stores Llama 3's scaling not as metadata but as a tensor,
+    `rope_freqs`: rotary frequency i is divided by rope_freqs[i]. A linear factor, if
+    any, divides every frequency too, so the two fold into one list of divisors."""
+    if scaling_type not in (None, "none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    linear = float(factor) if scaling_type == "linear" else 1.0
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        factors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": [float(f) * linear for f in factors]}
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": linear}
+    return None
+
+
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's Q/K row permutation (works for weights and biases).
 
@@ -106,24 +126,51 @@ def hf_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None  # e.g. rope_freqs: derived from the metadata instead
+    return None  # e.g. rope_freqs: read into ArchConfig.rope_scaling instead
+
+
+def _in_our_row_order(w: np.ndarray, name: str, arch: ArchConfig) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation. It moves whole rows, so it applies alike to float
+    rows and to rows of raw quantized blocks."""
+    if arch.architecture not in ("llama", "mistral"):
+        return w
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute(w, arch.num_heads)
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute(w, arch.num_kv_heads)
+    return w
 
 
 def iter_tensors(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, float32 tensor) for every weight, dequantizing as we go."""
-    permuted = arch.architecture in ("llama", "mistral")
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, arch.num_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, arch.num_kv_heads)
-        w = np.ascontiguousarray(w)
+        w = np.ascontiguousarray(_in_our_row_order(w, name, arch))
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())
+
+
+def tensor_types(reader: GGUFReader) -> dict[str, str]:
+    """Hugging Face name -> the GGUF type it is stored as ("Q4_1", "Q8_0", "F32", ...)."""
+    return {
+        name: t.tensor_type.name for t in reader.tensors if (name := hf_name(t.name)) is not None
+    }
+
+
+Q4_TYPES = ("Q4_0", "Q4_1")
+
+
+def iter_q4_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, Int4Weight]]:
+    """Yield (Hugging Face name, codes and scales bit for bit) for every Q4_0 / Q4_1 matrix."""
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or t.tensor_type.name not in Q4_TYPES or len(t.shape) != 2:
+            continue
+        blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # [rows, block bytes]
+        yield name, from_gguf_q4(_in_our_row_order(blocks, name, arch), t.tensor_type.name)
 
 
 def open_gguf(path: Path) -> tuple[GGUFReader, ArchConfig]:

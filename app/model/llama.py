@@ -42,6 +42,8 @@ def rotary_inv_freq(arch: ArchConfig) -> torch.Tensor:
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "freq_factors":  # llama.cpp's form: each frequency divided by its own factor
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the
         # band between them interpolated smoothly.

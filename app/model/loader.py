@@ -7,7 +7,6 @@ safetensors next to the tokenizer; a warm start only maps that file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -15,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,11 +25,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.config import ModelConfig
 from app.model.arch import ArchConfig
+from app.model.fingerprint import fingerprint
 from app.model.registry import DEFAULT_MODEL, default_model_path
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = "v1"  # bump when the converted layout changes
+# Bump when the converted layout changes (v2: rope_freqs in arch.json; v3: tensor_types.json).
+CACHE_FORMAT = "v3"
 # End-of-turn markers of common chat templates: generation stops at any that exists.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -44,7 +45,17 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # names of app.model.llama.LlamaModel
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
-    cache_key: str | None = None  # names derived files (e.g. int8 weights) in the cache
+    # Names files derived from these weights in the cache (int8, int4): the checkpoint's
+    # name, for people, and its content fingerprint, for correctness.
+    cache_key: str | None = None
+    # Where the weights came from, and how each (Hugging Face name) was stored there:
+    # a GGUF's types ("Q4_1", "Q8_0", "F32"); empty for floats (an HF folder, a test).
+    source: Path | None = None
+    tensor_types: dict[str, str] = field(default_factory=dict)
+
+    def linear_types(self) -> set[str]:
+        """How the checkpoint stores its linear layers' weights (norms and embedding aside)."""
+        return {t for k, t in self.tensor_types.items() if k.endswith("_proj.weight")}
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
@@ -57,26 +68,20 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         name = path.stem if path.suffix == ".gguf" else path.name
         if not path.exists():
             raise FileNotFoundError(f"model path {path} does not exist")
+    if not path.is_dir() and path.suffix != ".gguf":
+        raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
+    key = f"{name}-{fingerprint(path)[:16]}"
+    types: dict[str, str] = {}
     if path.is_dir():
         arch, weights, tokenizer = _load_hf_folder(path)
-    elif path.suffix == ".gguf":
-        arch, weights, tokenizer = _load_gguf_cached(path, cfg.cache_dir)
     else:
-        raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
-    dtype = getattr(torch, cfg.dtype)
-    weights = {k: v.to(dtype) for k, v in weights.items()}
+        converted = cfg.cache_dir / "converted" / f"{key}-{CACHE_FORMAT}"
+        arch, weights, tokenizer = _load_gguf_cached(path, converted)
+        types = json.loads((converted / "tensor_types.json").read_text())
+    # Weights stay as loaded (fp32, memory-mapped): app.model.build converts what it keeps
+    # into the dtype the model runs in, and leaves alone what a weight format replaces.
     eos = _eos_token_ids(tokenizer, path)
-    return LoadedModel(name, arch, weights, tokenizer, eos, _cache_key(path))
-
-
-def _cache_key(path: Path) -> str:
-    """Changes when the checkpoint does (size and modification time of its files)."""
-    files = sorted(path.glob("*")) if path.is_dir() else [path]
-    h = hashlib.sha256(str(path.resolve()).encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return f"{path.stem}-{h.hexdigest()[:12]}"
+    return LoadedModel(name, arch, weights, tokenizer, eos, key, path, types)
 
 
 def fuse_weights(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
@@ -130,9 +135,8 @@ def _load_hf_folder(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor], ob
     return arch, fuse_weights(hf, arch), tokenizer
 
 
-def _load_gguf_cached(path: Path, cache_dir: Path) -> tuple[ArchConfig, dict, object]:
-    stat = path.stat()
-    target = cache_dir / "converted" / f"{path.stem}-{stat.st_size}-{CACHE_FORMAT}"
+def _load_gguf_cached(path: Path, target: Path) -> tuple[ArchConfig, dict, object]:
+    """`target`: the cache folder, named after the file's content (see fingerprint)."""
     if not (target / "model.safetensors").exists():
         _convert_gguf(path, target)
     arch = ArchConfig.from_dict(json.loads((target / "arch.json").read_text()))
@@ -143,7 +147,7 @@ def _load_gguf_cached(path: Path, cache_dir: Path) -> tuple[ArchConfig, dict, ob
 
 def _convert_gguf(path: Path, target: Path) -> None:
     """Dequantize once and store our layout; atomic (a crash leaves no half cache)."""
-    from app.model.gguf_file import iter_tensors, open_gguf
+    from app.model.gguf_file import iter_tensors, open_gguf, tensor_types
 
     started = time.monotonic()
     reader, arch = open_gguf(path)
@@ -159,10 +163,12 @@ def _convert_gguf(path: Path, target: Path) -> None:
         hf[name] = tensor
     weights = fuse_weights(hf, arch)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    types = tensor_types(reader)
 
     def fill(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "arch.json").write_text(json.dumps(arch.to_dict(), indent=1))
+        (tmp / "tensor_types.json").write_text(json.dumps(types, indent=1))
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
 
     write_cache_dir(target, fill)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from app.model import cpu
+
 
 def bucket(rows: int) -> int:
     """The row count a matmul actually runs with. oneDNN builds and caches a kernel per
@@ -49,6 +51,7 @@ class PackedLinear(nn.Module):
         # (1 was ~30% slower at 8-32 rows).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.weight_nbytes = weight.numel() * weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -63,9 +66,10 @@ class PackedLinear(nn.Module):
 
 
 def packable(dtype: torch.dtype) -> bool:
-    """fp32 always; bf16 where oneDNN has native bf16 kernels (AVX-512 BF16 / AMX)."""
+    """fp32 always; bf16 where oneDNN has native bf16 kernels (AVX-512 BF16 / AMX). oneDNN
+    also accepts bf16 on AVX-512 CPUs without BF16, by emulation: not worth packing."""
     if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return cpu.cpu_has_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32
 
 

@@ -229,7 +229,7 @@ def test_prompt_larger_than_the_cache_is_refused(tokenizer):
 def test_half_precision_weights_and_cache(tokenizer, dtype):
     """ModelConfig.dtype: weights, activations and the K/V cache in 16 bits."""
     if tests.tiny.QUANTIZATION != "none":
-        pytest.skip("int8 weights are made from float32")
+        pytest.skip("quantized weights: their dtypes are tested with them")
     ps = prompts(3)
     engine = tiny_engine(tokenizer, dtype=dtype)
     assert engine.kv_cache.tensor.dtype == getattr(torch, dtype)

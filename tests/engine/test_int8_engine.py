@@ -19,7 +19,7 @@ def _int8_weights(monkeypatch):
 
 
 def test_the_engine_really_runs_int8(tokenizer):
-    from app.model.quantize import Int8Linear
+    from app.model.quant.int8 import Int8Linear
 
     engine = tests.tiny.tiny_engine(tokenizer)
     assert engine.weight_format.startswith("int8")

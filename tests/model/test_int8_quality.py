@@ -16,8 +16,8 @@ from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.request import SamplingParams
 from app.llm import LLM
 from app.model.build import build_model
-from app.model.quantize import int8_available
-from tests.model.test_quantize import forward_all
+from app.model.quant.int8 import int8_available
+from tests.model.test_int8 import forward_all
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="PyTorch without fbgemm")
 
@@ -52,6 +52,13 @@ GATE_AGREEMENT = 15  # of 20 prompts, from the issue that introduced int8
 FLOOR_AGREEMENT = 5
 
 
+def gate_text(tokenizer) -> list[int]:
+    text = (DATA / "lighthouses.txt").read_text() + "\n\n" + (DATA / "essays.txt").read_text()
+    ids = tokenizer.encode(text)
+    assert len(ids) >= 2000
+    return ids
+
+
 def perplexity(model, ids: list[int]) -> float:
     logits = forward_all(model, ids)[:-1].double()
     logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])
@@ -60,23 +67,21 @@ def perplexity(model, ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def models(smollm):
-    fp32, _ = build_model(smollm, ModelConfig(quantization="none"), "cpu", 4096)
-    int8, _ = build_model(smollm, ModelConfig(quantization="int8"), "cpu", 4096)
-    return fp32, int8
+    fp32 = build_model(smollm, ModelConfig(quantization="none", dtype="float32"), "cpu", 4096)
+    int8 = build_model(smollm, ModelConfig(quantization="int8", dtype="float32"), "cpu", 4096)
+    return fp32.model, int8.model
 
 
 def test_int8_perplexity_is_within_3_percent_of_fp32(smollm, models):
-    text = (DATA / "lighthouses.txt").read_text() + "\n\n" + (DATA / "essays.txt").read_text()
-    ids = smollm.tokenizer.encode(text)
-    assert len(ids) >= 2000
+    ids = gate_text(smollm.tokenizer)
     fp32, int8 = (perplexity(m, ids) for m in models)
     print(f"perplexity fp32 {fp32:.3f} int8 {int8:.3f} ratio {int8 / fp32:.4f}")
     assert int8 <= 1.03 * fp32
 
 
-def greedy_16(smollm, quantization: str) -> list[list[int]]:
+def greedy_16(smollm, quantization: str, dtype: str = "float32") -> list[list[int]]:
     config = EngineConfig(
-        model=ModelConfig(quantization=quantization),
+        model=ModelConfig(quantization=quantization, dtype=dtype),
         cache=CacheConfig(256 << 20, enable_prefix_caching=False),
     )
     llm = LLM(config=config, loaded=smollm)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.config import CacheConfig, EngineConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
 from app.engine.request import SamplingParams
 from app.model.registry import default_model_path
@@ -80,7 +80,10 @@ def hf_greedy(hf_model, prompts, smollm):
 
 
 def engine_for(smollm, **cache) -> LLMEngine:
-    return LLMEngine(EngineConfig(cache=CacheConfig(**cache), debug_checks=True), smollm)
+    exact = ModelConfig(quantization="none", dtype="float32")  # transformers runs fp32
+    return LLMEngine(
+        EngineConfig(model=exact, cache=CacheConfig(**cache), debug_checks=True), smollm
+    )
 
 
 def test_prefill_logits_match_transformers(smollm, hf_model, prompts):

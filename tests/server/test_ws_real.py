@@ -7,10 +7,11 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from app.config import CacheConfig, EngineConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import LLMEngine
 from app.engine.request import SamplingParams
+from app.model.build import choose_format
 from app.server.app import create_app
 from tests.engine.util import all_free, run
 from tests.server.test_ws_fake import until_terminal
@@ -138,7 +139,8 @@ def test_two_conversations_per_socket_and_ten_sockets(smollm, uncached):
 
 def test_kv_pressure_unpins_oldest_idle_sessions_and_turns_finish(smollm):
     # 64 blocks of 16 tokens; twelve idle conversations pin ~40, the long turn needs ~45.
-    per_block = 2 * smollm.arch.num_layers * 16 * smollm.arch.kv_size * 4
+    kv_dtype = choose_format(ModelConfig(), smollm, "cpu").torch_dtype  # K/V follow activations
+    per_block = 2 * smollm.arch.num_layers * 16 * smollm.arch.kv_size * kv_dtype.itemsize
     engine, client = make(smollm, kv_bytes=65 * per_block)
     with client, client.websocket_connect("/ws") as ws:
         for i in range(12):

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import logging
 import warnings
-from functools import cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from app.model import cpu
 from app.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -46,22 +46,11 @@ log = logging.getLogger(__name__)
 QUANT_FORMAT = "int8-v1"  # bump when the stored layout or the calibration changes
 SMOOTH_ALPHA = 0.5
 SMOOTHED = ("qkv", "gate_up", "down")  # o_proj's input is grouped by head: left as is
-CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
+CALIBRATION_TEXT = Path(__file__).parent.parent / "calibration.txt"  # package data of app.model
 
 
 def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-@cache
-def _has_vnni() -> bool:
-    """AVX-512 VNNI multiplies 8-bit activations without the 16-bit saturation of older
-    x86 paths; without it fbgemm needs activations reduced to 7 bits."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 # quantize x with the given (scale, zero point), int8 GEMM, dequantize to fp32: one call.
@@ -82,7 +71,7 @@ class Int8Linear(nn.Module):
         self.bias = bias
         self.weight_nbytes = qweight.numel() + 4 * scale.numel()
         # uint8 codes for [-1, 1]: 0..255, or 0..127 where fbgemm needs 7 bits (no VNNI).
-        levels = 255 if _has_vnni() else 127
+        levels = 255 if cpu.cpu_has_vnni() else 127
         self.x_scale, self.x_zero_point = 2 / levels, (levels + 1) // 2
 
     @classmethod
@@ -174,12 +163,6 @@ def quantize_model(model: LlamaModel, tokenizer) -> LlamaModel:
     model.packed_lm_head = Int8Linear.from_float(model.lm_head_weight.detach(), None)
     model.lm_head = None
     return model
-
-
-def int8_weight_bytes(model: nn.Module) -> int:
-    """Bytes of int8 weights and scales, plus the plain parameters (embedding, norms)."""
-    packed = sum(m.weight_nbytes for m in model.modules() if isinstance(m, Int8Linear))
-    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def quantized_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""int8 weights (app.model.quantize): the layer, smoothing, and the disk cache."""
+"""int8 weights (app.model.quant.int8): the layer, smoothing, and the disk cache."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from app.config import ModelConfig
 from app.model import build as build_mod
 from app.model.build import build_model
 from app.model.llama import LlamaModel
-from app.model.quantize import (
+from app.model.quant.int8 import (
     Int8Linear,
     calibrate,
     int8_available,
@@ -84,8 +84,8 @@ def test_int8_weights_are_cached_on_disk_and_reused(tokenizer, tmp_path, monkeyp
     loaded.cache_key = "tiny-test"
     cfg = ModelConfig(quantization="int8", cache_dir=tmp_path)
     ids = tokenizer.encode("A warm start maps the converted file.")
-    first, fmt = build_model(loaded, cfg, "cpu", 256)
-    assert fmt.startswith("int8")
+    first = build_model(loaded, cfg, "cpu", 256).model
+    assert isinstance(first.layers[0].qkv, Int8Linear)
     files = list((tmp_path / "converted").glob("tiny-test-int8-*/model.safetensors"))
     assert len(files) == 1
 
@@ -93,7 +93,7 @@ def test_int8_weights_are_cached_on_disk_and_reused(tokenizer, tmp_path, monkeyp
         raise AssertionError("a warm start must not quantize again")
 
     monkeypatch.setattr(build_mod, "quantize_model", no_requantizing)
-    second, _ = build_model(loaded, cfg, "cpu", 256)
+    second = build_model(loaded, cfg, "cpu", 256).model
     assert torch.equal(forward_all(second, ids), forward_all(first, ids))
 
 
@@ -110,5 +110,5 @@ def test_int8_where_it_cannot_run_is_a_clear_error(tokenizer, cfg, device, messa
 
 
 def test_unknown_quantization_is_refused():
-    with pytest.raises(ValueError, match="none, int8"):
-        ModelConfig(quantization="int4")
+    with pytest.raises(ValueError, match="none, int8, int4"):
+        ModelConfig(quantization="int2")

@@ -1,0 +1,268 @@
+"""Group-wise 4-bit weights on the CPU: GGUF's Q4_0 / Q4_1 as they are, or floats rounded
+to 4 bits in groups of 32.
+
+Decode reads every weight once per step, so bytes per weight decide its speed: 4-bit
+codes with a scale and an offset per 32 weights are ~5 bits a weight, against 32 for fp32.
+The matmul is PyTorch's CPU kernel for weight-only int4
+(`aten._weight_int4pack_mm_for_cpu`, the one torchao uses on CPUs): per group of 32 along
+the input dimension, w = (q - 8) * scale + zero, q in 0..15.
+
+llama.cpp's 4-bit blocks map onto that exactly, so the default model's weights are served
+bit for bit as its GGUF stores them (no dequantize-then-requantize):
+
+- Q4_1, w = d * q + m:   scale = d, zero = m + 8 d;
+- Q4_0, w = d * (q - 8): scale = d, zero = 0.
+
+The kernel's vectorized x86 code (AVX-512 and AVX2 alike) takes bf16 activations and
+bf16 group scales and accumulates in fp32; fp32 activations go through a scalar loop that
+computes the GGUF's own weights exactly but ~40x slower (bench/int4_kernels.py). So bf16
+is the fast path, and rounding x, d and m + 8 d to bf16 (<= 0.4% each) is its price: on
+the default model no more than bf16 activations cost anyway (bench/README.md, "int4
+weights"). Weights that arrive as floats are rounded to nearest, asymmetric per group
+(the Q4_1 form).
+
+The codes are kept in the cache in a plain layout (`Int4Weight`: two codes a byte, row
+major); the kernel's own packing depends on the CPU's vector width, so it is redone at
+load (a fraction of a second for the default model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from app.model.arch import ArchConfig
+from app.model.llama import LlamaModel, Rotary
+from app.model.packed_linear import pack_weight, packable, packing_available
+
+GROUP = 32  # weights per scale/zero pair; GGUF's Q4 block size
+
+_pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
+def int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+def int4_shape_ok(out_features: int, in_features: int) -> bool:
+    """The kernel works on blocks of 16 output rows and whole groups of inputs."""
+    return out_features % 16 == 0 and in_features % GROUP == 0
+
+
+@dataclass
+class Int4Weight:
+    """A weight [N, K] as 4-bit codes in groups of GROUP along K:
+    w[n, k] = (q[n, k] - 8) * scale[n, k // GROUP] + zero[n, k // GROUP]."""
+
+    codes: torch.Tensor  # uint8 [N, K / 2]: q[n, 2j] in the low nibble, q[n, 2j + 1] high
+    scale: torch.Tensor  # float32 [N, K / GROUP]
+    zero: torch.Tensor  # float32 [N, K / GROUP]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    def unpacked(self) -> torch.Tensor:
+        """The codes q, uint8 [N, K]. (numpy: torch's uint8 bit operations ran ~40x slower
+        here, seconds per model.)"""
+        c = self.codes.numpy()
+        q = np.empty((*c.shape, 2), dtype=np.uint8)
+        np.bitwise_and(c, 0x0F, out=q[..., 0])
+        np.right_shift(c, 4, out=q[..., 1])
+        return torch.from_numpy(q).view(self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        q = self.unpacked().view(n, k // GROUP, GROUP).float() - 8
+        return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, k)
+
+    @staticmethod
+    def pack_codes(q: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [N, K] in 0..15 -> two a byte [N, K / 2]."""
+        n = q.to(torch.uint8).numpy()
+        return torch.from_numpy(n[:, 0::2] | (n[:, 1::2] << 4))
+
+    @classmethod
+    def cat(cls, parts: list[Int4Weight]) -> Int4Weight:
+        """Stacked rows (the fused qkv and gate_up projections)."""
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")))
+
+    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}.codes": self.codes,
+            f"{prefix}.scale": self.scale,
+            f"{prefix}.zero": self.zero,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], prefix: str) -> Int4Weight:
+        return cls(*(state.pop(f"{prefix}.{f}") for f in ("codes", "scale", "zero")))
+
+
+def quantize_rtn(w: torch.Tensor) -> Int4Weight:
+    """Float weight [N, K] -> 4 bits per weight, rounded to nearest, with each group's
+    minimum and maximum as the ends of its 16 levels (like llama.cpp's Q4_1)."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = torch.round((g - lo[..., None]) * inv[..., None]).clamp_(0, 15)
+    return Int4Weight(Int4Weight.pack_codes(q.reshape(n, k)), scale, lo + 8 * scale)
+
+
+def from_gguf_q4(blocks: np.ndarray, kind: str) -> Int4Weight:
+    """Raw GGUF Q4_0 / Q4_1 blocks of a weight, uint8 [N, K / 32 * block bytes], rows in
+    the order wanted -> the same codes, bit for bit, with the kernel's scale and zero.
+
+    A block is d (fp16), m (fp16, Q4_1 only), then 16 bytes: byte j holds weight j in its
+    low nibble and weight j + 16 in its high one."""
+    head = {"Q4_0": 2, "Q4_1": 4}[kind]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, head + GROUP // 2)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., head:]
+    q = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, -1)  # [N, K], in order
+    if kind == "Q4_1":
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    return Int4Weight(
+        Int4Weight.pack_codes(torch.from_numpy(q)), torch.from_numpy(d), torch.from_numpy(zero)
+    )
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in 4-bit groups, run by the int4 kernel in `dtype` (bf16: the
+    vectorized path; float32: exact, slow). Inputs of another dtype are converted in and
+    the result converted back; the bias is added in the inputs' dtype (give it in that).
+
+    The kernel computes each row of x on its own (a row's result never depends on its
+    batch) and dequantizes the weights again for every 4 rows: ideal for decode, where a
+    few rows read 4-bit weights once, but bound by that arithmetic for a long prompt's
+    prefill (bench/README.md, "int4 weights", has the numbers)."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if not int4_shape_ok(self.out_features, self.in_features):
+            raise ValueError(f"int4 needs rows % 16 == 0 and columns % {GROUP} == 0")
+        self.dtype = dtype
+        self.packed = _pack(torch.from_numpy(weight.unpacked().numpy().astype(np.int32)), 1)
+        # [K / GROUP, N, 2]: (scale, zero) of each group, in the kernel's dtype.
+        self.scale_zero = torch.stack((weight.scale, weight.zero), dim=-1).transpose(0, 1)
+        self.scale_zero = self.scale_zero.contiguous().to(dtype)
+        self.bias = bias
+        self.weight_nbytes = self.packed.numel() + self.scale_zero.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _int4_mm(x.to(self.dtype).contiguous(), self.packed, GROUP, self.scale_zero)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int4 {self.dtype}"
+        )
+
+
+# -- the 4-bit model -----------------------------------------------------------------------
+
+LINEARS = ("qkv", "o_proj", "gate_up", "down")
+
+
+def _parts(arch: ArchConfig) -> dict[str, list[tuple[str, int]]]:
+    """Our fused linears as stacks of Hugging Face ones: (name, rows) from the top."""
+    return {
+        "qkv": [
+            ("self_attn.q_proj", arch.q_size),
+            ("self_attn.k_proj", arch.kv_size),
+            ("self_attn.v_proj", arch.kv_size),
+        ],
+        "o_proj": [("self_attn.o_proj", arch.hidden_size)],
+        "gate_up": [
+            ("mlp.gate_proj", arch.intermediate_size),
+            ("mlp.up_proj", arch.intermediate_size),
+        ],
+        "down": [("mlp.down_proj", arch.hidden_size)],
+    }
+
+
+def int4_linears(
+    arch: ArchConfig, weights: dict[str, torch.Tensor], stored: dict[str, Int4Weight]
+) -> tuple[dict[str, Int4Weight], int]:
+    """Every linear layer's weight in 4 bits, by our names ("layers.3.qkv"): each part the
+    checkpoint stores in 4 bits (`stored`, by Hugging Face name) as it is, any other
+    rounded from its rows of the float weight. Also returns how many parts were stored."""
+    out: dict[str, Int4Weight] = {}
+    as_stored = 0
+    for i in range(arch.num_layers):
+        for name, parts in _parts(arch).items():
+            w = weights[f"layers.{i}.{name}.weight"]
+            pieces, row = [], 0
+            for hf, rows in parts:
+                piece = stored.pop(f"model.layers.{i}.{hf}.weight", None)
+                if piece is None:
+                    piece = quantize_rtn(w[row : row + rows])
+                else:
+                    as_stored += 1
+                pieces.append(piece)
+                row += rows
+            out[f"layers.{i}.{name}"] = Int4Weight.cat(pieces)
+    return out, as_stored
+
+
+def int4_state_dict(linears: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:
+    """What the disk cache keeps: codes, scales and zeros of each linear."""
+    state: dict[str, torch.Tensor] = {}
+    for name, w in linears.items():
+        state.update({k: v.contiguous() for k, v in w.state(name).items()})
+    return state
+
+
+def int4_from_state_dict(state: dict[str, torch.Tensor]) -> dict[str, Int4Weight]:
+    names = {k.rsplit(".", 1)[0] for k in state}
+    return {name: Int4Weight.from_state(state, name) for name in sorted(names)}
+
+
+def model_from_int4(
+    arch: ArchConfig,
+    weights: dict[str, torch.Tensor],
+    linears: dict[str, Int4Weight],
+    dtype: torch.dtype,
+    max_positions: int,
+    kernel_dtype: torch.dtype = torch.bfloat16,
+) -> LlamaModel:
+    """The decoder with 4-bit linears and activations in `dtype`. The int4 matmuls run in
+    `kernel_dtype`: bf16, the kernel's fast path, whatever `dtype` is (an fp32 model rounds
+    only the matmuls' inputs to bf16); float32 is exact and ~40x slower, for tests.
+
+    From `weights` (our names, any float dtype) it takes what stays float: the embedding,
+    the norms, biases, and the LM head. (Rounded to 4 bits the LM head costs the default
+    model 4.6% perplexity and 14 of 20 greedy replies: see bench/README.md, "int4 weights".)
+    Consumes `linears`."""
+    with torch.device("meta"):
+        model = LlamaModel(arch, max_positions)
+    float_names = []
+    for i, layer in enumerate(model.layers):
+        for name in LINEARS:
+            p = f"layers.{i}.{name}"
+            bias = weights.get(f"{p}.bias")
+            bias = None if bias is None else bias.to(dtype, copy=True)
+            setattr(layer, name, Int4Linear(linears.pop(p), bias, kernel_dtype))
+            float_names += [f"{p}.weight", f"{p}.bias"]
+    # Copies in the model's dtype: the sources may be memory-mapped from the cache.
+    plain = {k: v.to(dtype, copy=True) for k, v in weights.items() if k not in float_names}
+    model.load_state_dict(plain, strict=True, assign=True)
+    if packing_available() and packable(dtype):
+        model.packed_lm_head = pack_weight(model.lm_head_weight.detach())
+        model.lm_head = None
+    model.rotary = Rotary(arch, max_positions).to(dtype)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,248 @@
+"""int4 weights (app.model.quant.int4): GGUF Q4 blocks as they are, the kernel layout, the
+model built from them, the disk cache, and the choice that "auto" makes."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GGML
+from gguf.quants import dequantize, quantize
+
+from app.config import ModelConfig, default_cache_dir
+from app.model import build as build_mod
+from app.model import cpu
+from app.model.build import build_model, choose_format
+from app.model.gguf_file import iter_q4_weights, open_gguf
+from app.model.loader import load_model
+from app.model.quant.int4 import (
+    GROUP,
+    Int4Linear,
+    Int4Weight,
+    from_gguf_q4,
+    int4_available,
+    int4_linears,
+    model_from_int4,
+    quantize_rtn,
+)
+from app.model.registry import default_model_path
+from tests.model.gguf_export import write_llama_gguf
+from tests.tiny import tiny_hf_llama3, tiny_loaded
+
+pytestmark = pytest.mark.skipif(not int4_available(), reason="PyTorch without the int4 kernel")
+
+
+def forward_all(model, ids):
+    with torch.inference_mode():
+        return model.forward_tokens(ids)
+
+
+def nibbles(raw: np.ndarray, kind: str) -> np.ndarray:
+    """The 4-bit codes of GGUF Q4 blocks, read straight from llama.cpp's block layout:
+    after the header, byte j of a block holds weight j (low) and weight j + 16 (high)."""
+    head = {"Q4_0": 2, "Q4_1": 4}[kind]
+    blocks = raw.reshape(raw.shape[0], -1, head + 16)[..., head:]
+    return np.concatenate((blocks & 15, blocks >> 4), axis=-1).reshape(raw.shape[0], -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_are_served_bit_for_bit(kind):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=g) * torch.rand(96, 1, generator=g)
+    raw = quantize(w.numpy(), GGML[kind])
+    want = torch.from_numpy(dequantize(raw, GGML[kind]))
+    weight = from_gguf_q4(raw, kind)
+    assert np.array_equal(weight.unpacked().numpy(), nibbles(raw, kind))  # the same codes
+    assert torch.equal(weight.dequantize(), want)
+    # Through the kernel with fp32 activations: one product per output, rounded once, so
+    # multiplying by the identity gives the GGUF's dequantized weights exactly.
+    exact = Int4Linear(weight, None, torch.float32)(torch.eye(128))
+    assert torch.equal(exact.t(), want)
+    # And the packed codes themselves, read back through the kernel (scale 1, zero 8: w = q).
+    probe = Int4Weight(weight.codes, torch.ones_like(weight.scale), torch.full_like(weight.zero, 8))
+    codes = Int4Linear(probe, None, torch.bfloat16)(torch.eye(128, dtype=torch.bfloat16))
+    assert np.array_equal(codes.t().to(torch.uint8).numpy(), nibbles(raw, kind))
+
+
+def test_bf16_activations_differ_only_by_bf16_rounding():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(64, 256, generator=g), torch.randn(5, 256, generator=g)
+    weight = quantize_rtn(w)
+    want = x @ weight.dequantize().t()
+    got = Int4Linear(weight, None, torch.bfloat16)(x)
+    assert got.dtype == torch.float32
+    rel = (got - want).norm() / want.norm()
+    assert 1e-4 < rel < 1e-2, rel  # bf16 rounding of x, scales and output: ~0.3%
+
+
+def test_rounding_floats_stays_within_half_a_step():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 96, generator=g)
+    w[3, :GROUP] = 0.5  # a constant group: zero range, exact
+    q = quantize_rtn(w)
+    step = q.scale.repeat_interleave(GROUP, dim=1)
+    err = (q.dequantize() - w).abs()
+    assert (err <= step / 2 + 1e-6).all()
+    assert torch.equal(q.dequantize()[3, :GROUP], w[3, :GROUP])
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(3)
+    layer = Int4Linear(quantize_rtn(torch.randn(48, 64, generator=g)), None, torch.bfloat16)
+    row = torch.randn(1, 64, generator=g)
+    alone = layer(row)
+    for others in (torch.randn(7, 64, generator=g) * 1000, torch.zeros(30, 64)):
+        assert torch.equal(layer(torch.cat((others, row)))[-1:], alone)
+
+
+def write_q4_gguf(folder, tokenizer, overrides: dict) -> object:
+    """A tiny Llama 3 as llama.cpp quantizes it: linears Q4_1 (with `overrides`), a Q8_0
+    embedding."""
+    return write_llama_gguf(
+        tiny_hf_llama3(len(tokenizer)),
+        folder / "tiny-q4.gguf",
+        default_model_path(default_cache_dir()),
+        linear_type=GGML.Q4_1,
+        embedding_type=GGML.Q8_0,
+        overrides=overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory, tokenizer):
+    """Every linear 4-bit: Q4_1, and Q4_0 for the V projections."""
+    return write_q4_gguf(tmp_path_factory.mktemp("q4"), tokenizer, {"attn_v": GGML.Q4_0})
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory, tokenizer):
+    """The MLP's down projections in Q8_0: not 4-bit, so we round them."""
+    return write_q4_gguf(tmp_path_factory.mktemp("mixed"), tokenizer, {"ffn_down": GGML.Q8_0})
+
+
+def test_int4_model_computes_what_the_dequantized_gguf_does(q4_gguf, tmp_path):
+    cfg = ModelConfig(model=str(q4_gguf), cache_dir=tmp_path, quantization="none", dtype="float32")
+    loaded = load_model(cfg)
+    assert loaded.linear_types() == {"Q4_0", "Q4_1"}
+    reference = build_model(loaded, cfg, "cpu", 512)  # fp32, dequantized by gguf
+    ids = list(range(2000, 2100))
+    want = forward_all(reference.model, ids)
+
+    # The kernel in fp32: the same weights exactly (Q/K rows unpermuted, q, k, v stacked in
+    # order), so only the order of accumulation differs.
+    reader, arch = open_gguf(q4_gguf)
+    linears, as_stored = int4_linears(arch, loaded.weights, dict(iter_q4_weights(reader, arch)))
+    assert as_stored == 7 * arch.num_layers
+    exact = model_from_int4(arch, loaded.weights, linears, torch.float32, 512, torch.float32)
+    diff = (forward_all(exact, ids) - want).abs().max().item()
+    assert diff < 1e-3, diff
+
+    # As served: bf16 matmuls, with fp32 or bf16 activations around them. What bf16
+    # itself costs (this random model amplifies it to ~3% of the logits), no more.
+    def error(model) -> float:
+        return ((forward_all(model, ids) - want).norm() / want.norm()).item()
+
+    bf16 = error(build_model(loaded, replace(cfg, dtype="bfloat16"), "cpu", 512).model)
+    for dtype in ("float32", "bfloat16"):
+        served = build_model(loaded, replace(cfg, quantization="int4", dtype=dtype), "cpu", 512)
+        assert isinstance(served.model.layers[1].qkv, Int4Linear)
+        assert served.weight_bytes < reference.weight_bytes
+        assert error(served.model) < 1.25 * bf16 + 1e-3, dtype
+
+
+def test_weights_that_are_not_4bit_are_rounded(mixed_gguf, tmp_path, caplog):
+    cfg = ModelConfig(model=str(mixed_gguf), cache_dir=tmp_path, quantization="none", dtype="float32")
+    loaded = load_model(cfg)
+    assert loaded.linear_types() == {"Q4_1", "Q8_0"}
+    with caplog.at_level("INFO"):
+        int4 = build_model(loaded, replace(cfg, quantization="int4"), "cpu", 512)
+    assert "12 of 14 linear weights as the checkpoint stores them" in caplog.text
+    ids = list(range(2000, 2100))
+    want = forward_all(build_model(loaded, cfg, "cpu", 512).model, ids)
+    got = forward_all(int4.model, ids)
+    # Rounding 8-bit weights to 4 bits moves this random model's logits by ~13% (a wrong
+    # row order would move them by ~140%).
+    assert (got - want).norm() / want.norm() < 0.3
+
+
+def test_int4_codes_are_cached_and_a_warm_start_reads_no_gguf(q4_gguf, tmp_path, monkeypatch):
+    cfg = ModelConfig(model=str(q4_gguf), cache_dir=tmp_path, quantization="int4")
+    loaded = load_model(cfg)
+    ids = list(range(100, 140))
+    first = forward_all(build_model(loaded, cfg, "cpu", 512).model, ids)
+    assert len(list((tmp_path / "converted").glob("*-int4-v1/model.safetensors"))) == 1
+
+    def no_rebuilding(*a, **k):
+        raise AssertionError("a warm start must not read the GGUF or round weights again")
+
+    monkeypatch.setattr(build_mod, "int4_linears", no_rebuilding)
+    second = forward_all(build_model(loaded, cfg, "cpu", 512).model, ids)
+    assert torch.equal(first, second)
+
+
+def test_hf_folder_weights_are_rounded_to_int4(tokenizer):
+    loaded = tiny_loaded(tokenizer)  # floats, no cache key
+    ids = tokenizer.encode("Four bits a weight, thirty-two weights a scale.")
+    cfg = ModelConfig(quantization="none", dtype="float32")
+    want = forward_all(build_model(loaded, cfg, "cpu", 256).model, ids)
+    int4 = build_model(loaded, ModelConfig(quantization="int4", dtype="float32"), "cpu", 256)
+    got = forward_all(int4.model, ids)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+# -- what "auto" chooses ------------------------------------------------------------------
+
+
+AUTO = ModelConfig(quantization="auto", dtype="auto")
+
+
+def fake_cpu(monkeypatch, bf16: bool) -> None:
+    monkeypatch.setattr(cpu, "cpu_has_bf16", lambda: bf16)
+
+
+def pick(cfg: ModelConfig, loaded, device: str = "cpu") -> tuple[str, str]:
+    fmt = choose_format(cfg, loaded, device)
+    return fmt.quantization, fmt.dtype
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_serves_4bit_checkpoints_in_int4(tokenizer, monkeypatch, bf16):
+    fake_cpu(monkeypatch, bf16)
+    loaded = tiny_loaded(tokenizer)
+    loaded.tensor_types = {"model.layers.0.self_attn.q_proj.weight": "Q4_1"}
+    fmt = choose_format(AUTO, loaded, "cpu")
+    assert (fmt.quantization, fmt.dtype) == ("int4", "bfloat16" if bf16 else "float32")
+    assert "Q4_1" in fmt.why
+    assert ("this CPU has native bf16" in fmt.why) == bf16
+
+
+def test_auto_keeps_float_checkpoints_as_they_are(tokenizer, monkeypatch):
+    fake_cpu(monkeypatch, True)
+    loaded = tiny_loaded(tokenizer)
+    assert pick(AUTO, loaded) == ("none", "float32")
+    loaded.tensor_types = {"model.layers.0.mlp.down_proj.weight": "Q8_0"}
+    assert pick(AUTO, loaded) == ("none", "float32")
+    loaded.tensor_types = {"model.layers.0.mlp.down_proj.weight": "Q4_0"}
+    assert pick(AUTO, loaded, "meta") == ("none", "float32")
+
+
+def test_explicit_choices_win_over_auto(tokenizer, monkeypatch):
+    fake_cpu(monkeypatch, True)
+    loaded = tiny_loaded(tokenizer)
+    loaded.tensor_types = {"model.layers.0.mlp.down_proj.weight": "Q4_1"}
+    exact = ModelConfig(quantization="none", dtype="float32")
+    assert pick(exact, loaded) == ("none", "float32")
+    assert pick(replace(AUTO, dtype="float32"), loaded) == ("int4", "float32")
+    assert pick(replace(AUTO, quantization="int4"), loaded) == ("int4", "bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("cfg", "device", "message"),
+    [
+        (ModelConfig(quantization="int4", dtype="float16"), "cpu", "bfloat16"),
+        (ModelConfig(quantization="int4"), "meta", "CPU"),
+    ],
+)
+def test_int4_where_it_cannot_run_is_a_clear_error(tokenizer, cfg, device, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(tiny_loaded(tokenizer), cfg, device, 256)
