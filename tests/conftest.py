@@ -8,6 +8,7 @@ import torch
 
 from app.config import ModelConfig
 from app.model.loader import LoadedModel, load_model
+from tests.redis_server import redis_server  # noqa: F401  (a real Redis, for any suite)
 
 torch.set_num_threads(2)
 
