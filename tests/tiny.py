@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TierConfig
 from app.engine.engine import LLMEngine
 from app.model.arch import ArchConfig
 from app.model.loader import LoadedModel
@@ -80,10 +80,12 @@ def tiny_engine(
     dtype: str = "float32",
     request_timeout_s: float | None = None,
     max_waiting: int = 256,
+    tier: TierConfig | None = None,
     **arch_overrides,
 ) -> LLMEngine:
     """An engine on a tiny model with a KV cache of exactly `num_blocks` blocks
-    (the null block included) and integrity checks after every step."""
+    (the null block included) and integrity checks after every step. With a `tier`
+    (a KV tier below the pool) call engine.close() when done."""
     loaded = tiny_loaded(tokenizer, seed, **arch_overrides)
     arch = loaded.arch
     per_block = 2 * arch.num_layers * block_size * arch.kv_size * getattr(torch, dtype).itemsize
@@ -102,5 +104,6 @@ def tiny_engine(
             max_waiting=max_waiting,
         ),
         debug_checks=True,
+        tier=tier or TierConfig(),
     )
     return LLMEngine(config, loaded)

@@ -22,6 +22,7 @@ from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import BadParameter, ContextTooLong
 from app.engine.kv_cache import KVCache
 from app.engine.kv_manager import KVCacheManager
+from app.engine.kv_offload import KVOffload
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import (
     EngineListener,
@@ -33,6 +34,8 @@ from app.engine.outputs import (
 from app.engine.request import FinishReason, Request, SamplingParams
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from app.kvtier.backends import open_tier
+from app.kvtier.fingerprint import ModelFingerprint, weights_digest
 from app.model.build import build_model
 from app.model.loader import LoadedModel, load_model
 from app.model.quantize import int8_weight_bytes
@@ -61,14 +64,17 @@ class LLMEngine:
             self.model_bytes = int8_weight_bytes(self.model)
         else:  # the loaded weights, in the dtype they run in
             self.model_bytes = sum(w.numel() for w in loaded.weights.values()) * dtype.itemsize
+        fingerprint = self._fingerprint(loaded) if config.tier.kind != "none" else None
         if model is None:
             # Ours alone: drop the memory-mapped weights before the KV cache takes memory.
             loaded.weights = {}
         self.kv_cache = KVCache(loaded.arch, config.cache, dtype, config.device)
+        self.offload = self._open_tier(fingerprint)
         self.kv = KVCacheManager(
             BlockPool(self.kv_cache.num_blocks),
             config.cache.block_size,
             config.cache.enable_prefix_caching,
+            self.offload,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
@@ -86,6 +92,37 @@ class LLMEngine:
             config.cache.block_size,
             self.kv_cache.nbytes / 2**20,
         )
+
+    def _fingerprint(self, loaded: LoadedModel) -> ModelFingerprint:
+        """What K/V in the tier must have been computed with to be valid here."""
+        m = self.config.model
+        return ModelFingerprint(
+            weights=weights_digest(loaded.weights),
+            arch=repr(loaded.arch),
+            dtype=m.dtype,
+            quantization=m.quantization,
+            block_size=self.config.cache.block_size,
+        )
+
+    def _open_tier(self, fingerprint: ModelFingerprint | None) -> KVOffload | None:
+        tier_config = self.config.tier
+        if fingerprint is None or not self.config.cache.enable_prefix_caching:
+            return None
+        tier = open_tier(tier_config, fingerprint.hex)
+        log.info(
+            "KV tier: %s (model fingerprint %s, stores on %s)",
+            tier.name,
+            fingerprint.hex[:12],
+            tier_config.store,
+        )
+        return KVOffload(self.kv_cache, tier, fingerprint, tier_config)
+
+    def close(self) -> None:
+        """Stop the KV tier's threads (queued stores are dropped). Idempotent."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
+            self.kv.offload = None
 
     def _resolve_max_model_len(self, loaded: LoadedModel) -> int:
         limit = loaded.arch.max_position_embeddings
@@ -221,9 +258,15 @@ class LLMEngine:
         self.housekeeping()
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.offload is not None:
+            self.offload.wait(0.05)  # a request waits for the tier: do not spin meanwhile
         if not sched.is_empty:
             try:
+                t0 = time.perf_counter()
                 sampled = self.runner.run(sched).sampled
+                if self.offload is not None:  # what recomputing costs, for the tier's choice
+                    tokens = sum(s.num_tokens for s in sched.scheduled)
+                    self.offload.observe_compute(tokens, time.perf_counter() - t0)
             except Exception:
                 log.exception("a batch of %d requests failed; retrying them one by one",
                               len(sched.scheduled))  # fmt: skip
@@ -320,6 +363,7 @@ class LLMEngine:
             cached_tokens=max(req.num_cached_tokens, 0),
             completion_tokens=req.num_output_tokens,
             timings=copy.copy(req.timings),
+            tier_cached_tokens=req.num_tier_cached_tokens,
         )
 
     # -- introspection -------------------------------------------------------------------
@@ -344,6 +388,8 @@ class LLMEngine:
             pinned_blocks=self.kv.pins.num_blocks,
             session_unpins=dict(self.kv.pins.unpins),
             steps=s.steps,
+            tier_hits=s.tier_hits,
+            tier=self.offload.stats() if self.offload is not None else None,
         )
 
     def check_integrity(self) -> None:

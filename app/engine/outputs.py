@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.engine.request import FinishReason, Request, Timings
+from app.kvtier.stats import TierStats
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int
     timings: Timings
+    tier_cached_tokens: int = 0  # of cached_tokens, those loaded from the KV tier
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """Fold a later output of the same request into this one (a slow reader gets
@@ -41,6 +43,7 @@ class RequestOutput:
             cached_tokens=later.cached_tokens,
             completion_tokens=later.completion_tokens,
             timings=later.timings,
+            tier_cached_tokens=later.tier_cached_tokens,
         )
 
 
@@ -100,6 +103,8 @@ class EngineStats:
     pinned_blocks: int
     session_unpins: dict[str, int]
     steps: int
+    tier_hits: int = 0  # prompt tokens loaded from the KV tier (not in prefix_hits)
+    tier: TierStats | None = None  # None: no KV tier
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ class SchedulerStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # ... found there
     pin_hits: int = 0  # ... found in their session's pin
+    tier_hits: int = 0  # ... loaded from the KV tier
     steps: int = 0
 
 
@@ -121,6 +122,8 @@ class Scheduler:
         ):
             req = self.waiting[0]
             computed = self.kv.get_computed(req)
+            if computed.pending:
+                break  # its K/V is on its way from the tier: admitted once it has arrived
             num_hit = computed.num_tokens
             n = self._chunk(num_hit, req.num_tokens, prefill_budget, decoding)
             if not self._allocate(req, n, computed):
@@ -132,11 +135,13 @@ class Scheduler:
                 # First admission only: a preempted request's re-admission finds its own
                 # freed blocks, which is not a prefix-cache hit (and would count twice).
                 req.num_cached_tokens = num_hit
+                req.num_tier_cached_tokens = computed.num_tier_tokens
                 self.stats.prefix_queries += req.num_tokens
                 if computed.from_pin:
                     self.stats.pin_hits += num_hit
                 else:
-                    self.stats.prefix_hits += num_hit
+                    self.stats.prefix_hits += num_hit - computed.num_tier_tokens
+                    self.stats.tier_hits += computed.num_tier_tokens
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.timings.first_scheduled is None:
@@ -217,6 +222,7 @@ class Scheduler:
                 self.kv.free_or_pin(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)  # holds no blocks; its session keeps its old pin
+            self.kv.forget_lookup(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.timings.finished = time.monotonic()
