@@ -25,6 +25,7 @@ class DiskTier:
     """Entries as files in `folder/<namespace>/`, at most `capacity_bytes` of them."""
 
     remote = False
+    generation = 0  # never loses entries behind our back
 
     def __init__(self, folder: str | Path, namespace: str, capacity_bytes: int) -> None:
         self.root = Path(folder) / namespace

@@ -17,6 +17,7 @@ class MemoryTier:
     """Entries in this process's memory, at most `capacity_bytes` of them."""
 
     remote = False
+    generation = 0  # never loses entries behind our back
 
     def __init__(self, capacity_bytes: int, name: str = "memory") -> None:
         self.capacity_bytes = capacity_bytes

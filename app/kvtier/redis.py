@@ -53,6 +53,7 @@ class RedisTier:
             health_check_interval=30,
         )
         self._lock = threading.Lock()
+        self.generation = 0
         self._down = False
         self._next_probe = 0.0
         self._probe_wait = PROBE_EVERY_S[0]
@@ -82,8 +83,12 @@ class RedisTier:
             if self._down:
                 return
             self._down = True
+            self.generation += 1
             self._probe_wait = PROBE_EVERY_S[0]
             self._next_probe = time.monotonic() + self._probe_wait
+        # Every pooled connection may be dead (a restarted server): start afresh, or the
+        # first command on each old one would fail and take the tier down again.
+        self._client.connection_pool.disconnect()
         # Once per outage. The exception's class, not its text: that is enough to act on
         # and cannot carry a credential.
         log.warning(

@@ -52,6 +52,7 @@ class StoreWorker:
         self._pending_bytes = 0
         self._busy = False
         self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> when written
+        self._known_generation = tier.generation
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="parley-kv-store", daemon=True)
@@ -62,6 +63,9 @@ class StoreWorker:
         in the tier already."""
         now = time.monotonic()
         with self._cv:
+            if self._known_generation != self.tier.generation:
+                self._known.clear()  # the tier may have come back empty
+                self._known_generation = self.tier.generation
             out = []
             for key in keys:
                 if key in self._queued:
@@ -152,6 +156,8 @@ class StoreWorker:
         if self.tier.remote:
             now = time.monotonic()
             with self._cv:
+                if self._known_generation != self.tier.generation:
+                    return  # written before an outage: maybe lost, remember nothing
                 for key, _ in batch:
                     self._known[key] = now
                     self._known.move_to_end(key)

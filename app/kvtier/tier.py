@@ -30,6 +30,9 @@ class Tier(Protocol):
 
     name: str  # for logs and metrics: never a password
     remote: bool  # contains() costs a round trip: callers remember what they wrote
+    # Changes whenever the backend may have lost what it held (a reconnect: the server
+    # may have restarted empty), so that what callers remember as written is forgotten.
+    generation: int
 
     @property
     def available(self) -> bool:
