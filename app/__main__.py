@@ -10,6 +10,7 @@ Every flag has an environment variable: PARLEY_ and the flag's name in capitals
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -18,10 +19,12 @@ import time
 from app.config import (
     DTYPES,
     QUANTIZATIONS,
+    TIER_STORE_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    TierConfig,
     parse_size,
 )
 
@@ -50,6 +53,27 @@ FLAGS: list[tuple[str, dict]] = [
     ("--max-num-seqs", dict(type=int, default=64, help="requests in one batch")),
     ("--max-num-batched-tokens", dict(type=int, default=2048, help="tokens in one step")),
     ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
+    (
+        "--kv-tier",
+        dict(
+            type=TierConfig.parse,
+            # Host memory by default: 2 GiB, twice the default KV cache, filled only by
+            # K/V that the pool let go of (see README, "KV tier").
+            default="memory",
+            help="where K/V goes when it leaves the KV cache: none, memory[:SIZE] "
+            "(2GiB), redis://[:password@]host:port/db, or a folder[:SIZE]",
+        ),
+    ),
+    ("--kv-tier-ttl", dict(type=float, default=86400.0, help="seconds a Redis tier key lives")),
+    (
+        "--kv-tier-store",
+        dict(
+            choices=TIER_STORE_POLICIES,
+            default="finish",
+            help="finish: every finished request's blocks (others sharing the tier find "
+            "them); evict: only blocks whose memory the KV cache reuses",
+        ),
+    ),
     ("--max-turns-per-socket", dict(type=int, default=8)),
     ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
     ("--max-connections", dict(type=int, default=256, help="open /ws sockets")),
@@ -121,6 +145,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             request_timeout_s=args.request_timeout or None,
         ),
         num_threads=args.threads,
+        tier=dataclasses.replace(args.kv_tier, ttl_s=args.kv_tier_ttl, store=args.kv_tier_store),
     )
 
 

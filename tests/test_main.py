@@ -47,3 +47,22 @@ def test_dtype_flag(monkeypatch):
     assert engine_config(build_parser().parse_args([])).model.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--dtype", "float64"])
+
+
+def test_kv_tier_flags(monkeypatch):
+    tier = engine_config(build_parser().parse_args([])).tier
+    assert (tier.kind, tier.size_bytes, tier.store) == ("memory", 2 << 30, "finish")
+    args = build_parser().parse_args(
+        ["--kv-tier", "redis://:pw@h:6380/1", "--kv-tier-ttl", "60", "--kv-tier-store", "evict"]
+    )
+    tier = engine_config(args).tier
+    assert (tier.kind, tier.location, tier.ttl_s, tier.store) == (
+        "redis",
+        "redis://:pw@h:6380/1",
+        60,
+        "evict",
+    )
+    monkeypatch.setenv("PARLEY_KV_TIER", "none")
+    assert engine_config(build_parser().parse_args([])).tier.kind == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-tier", "memcached://h"])

@@ -243,7 +243,10 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "total_tokens": out.prompt_tokens + out.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": out.cached_tokens,
+            "tier_cached_tokens": out.tier_cached_tokens,  # Parley's: of those, from the tier
+        },
     }
 
 

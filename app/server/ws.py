@@ -183,7 +183,13 @@ class ChatSocket:
 
     async def _send_start(self, frame: p.ChatFrame, out: RequestOutput) -> bool:
         return await self.send(
-            p.start_frame(frame.id, frame.conversation_id, out.prompt_tokens, out.cached_tokens)
+            p.start_frame(
+                frame.id,
+                frame.conversation_id,
+                out.prompt_tokens,
+                out.cached_tokens,
+                out.tier_cached_tokens,
+            )
         )
 
     async def _cancel_all(self) -> None:
