@@ -7,7 +7,8 @@ Each step the scheduler hands out up to `max_num_batched_tokens` tokens:
 2. then running requests that are part-way through their prompt (chunked prefill);
 3. then new requests from the waiting queue, in arrival order, while the budget,
    `max_num_seqs` and free blocks allow. A new request first takes whatever prefix of
-   it the prefix cache holds.
+   it the prefix cache holds (or its session's pin, or the KV tier below the pool: while
+   the tier's blocks are on their way it waits at the head of the queue).
 
 While anything decodes, a prefill chunk is capped (see SchedulerConfig and _chunk): every
 decoder waits for the whole step, so a long prompt must arrive in bites small enough to
