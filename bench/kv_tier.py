@@ -5,6 +5,7 @@ restored from each tier against recomputing it.
     python bench/kv_tier.py                                   # both parts
     python bench/kv_tier.py --part restore                    # restore vs recompute only
     python bench/kv_tier.py --part workload --users 24        # a smaller workload
+    python bench/kv_tier.py --part workload --pairs memory:big,redis:big,memory:off
 
 Workload: bench/ws_load.py's simulated users over /ws (closed loop, one conversation
 each), every turn after the first a 150-300 word paste, greedy replies of --max-tokens
@@ -17,8 +18,13 @@ Each configuration gets a fresh server process (`python -m app`) on this machine
     redis          small cache, --kv-tier redis://127.0.0.1:PORT/0 (a redis-server this
                    script starts: no persistence, maxmemory with allkeys-lru)
     memory-evict   as memory, --kv-tier-store evict (blocks stored only when reused)
+    big-memory     as big, with the memory tier: what storing costs when nothing is lost
+                   (not in the default --configs)
 
-It reports TTFT p50 of turns 2-6 and total time against `big` and `off`, the tokens each
+With --pairs, two configurations run side by side (a server each, half the threads,
+the same workload against each), so that whatever else runs on a shared machine slows
+both alike; one after the other, a noisy neighbour can swing a run by 2-3x. It reports
+TTFT p50 of turns 2-6 and total time against `big` and `off`, the tokens each
 took from the pool, pins and the tier, the tier's counters from /metrics, and whether
 every reply is identical to `off`'s. Restore: a --history-token prompt is computed, stored
 in the tier, dropped from the pool (its memory reused) and asked again; time to first
@@ -108,7 +114,7 @@ def restore_vs_recompute(engine, prompt: list[int], repeats: int) -> dict:
     one warm-up each, and each side keeps its best."""
     ttft(engine, prompt, "store")  # computed once: the tier has it
     assert engine.offload.flush(300)
-    recompute, restore = [], []
+    recompute, restore, pool_hit = [], [], []
     for i in range(repeats + 1):
         recompute.append(ttft(engine, prompt, f"r{i}", use_prefix_cache=False)[0])
         pool = engine.kv.pool
@@ -119,15 +125,22 @@ def restore_vs_recompute(engine, prompt: list[int], repeats: int) -> dict:
         assert out.tier_cached_tokens == (len(prompt) - 1) // 16 * 16, out
         load = after.load_seconds.total - before.load_seconds.total
         restore.append((seconds, load, after.copy_seconds.total - before.copy_seconds.total))
-    recompute, restore = recompute[1:], restore[1:]  # the first of each warms kernels up
+        seconds, out = ttft(engine, prompt, f"p{i}")  # still in the pool: a big pool's case
+        assert out.tier_cached_tokens == 0 and out.cached_tokens > 0, out
+        pool_hit.append(seconds)
+    # The first of each warms kernels up.
+    recompute, restore, pool_hit = recompute[1:], restore[1:], pool_hit[1:]
     best = min(restore)
     blocks = (len(prompt) - 1) // 16
     return {
         "recompute_ttft_s": min(recompute),
         "recompute_all_s": recompute,
+        "pool_hit_ttft_s": min(pool_hit),
+        "pool_hit_all_s": pool_hit,
         "restore_ttft_s": best[0],
         "restore_all_s": [r[0] for r in restore],
         "speedup": min(recompute) / best[0],
+        "restore_vs_pool_hit": best[0] / min(pool_hit),
         "load_s": best[1],  # fetch + check + unpack, on the loader thread
         "copy_s": best[2],  # into the cache, on the engine thread
         "kv_mb": engine.offload.layout.payload_bytes * blocks / 1e6,
@@ -159,8 +172,9 @@ def restore_part(args) -> dict:
             r = results[name]
             print(f"{name:7s} recompute {r['recompute_ttft_s']:.2f} s, restore "
                   f"{r['restore_ttft_s'] * 1000:.0f} ms (load {r['load_s'] * 1000:.0f} ms, copy "
-                  f"{r['copy_s'] * 1000:.0f} ms): {r['speedup']:.1f}x "
-                  f"for {r['kv_mb']:.0f} MB", flush=True)  # fmt: skip
+                  f"{r['copy_s'] * 1000:.0f} ms): {r['speedup']:.1f}x faster for "
+                  f"{r['kv_mb']:.0f} MB; a pool hit {r['pool_hit_ttft_s'] * 1000:.0f} ms "
+                  f"(restore {r['restore_vs_pool_hit']:.2f}x)", flush=True)  # fmt: skip
         kv_bytes = int(results["memory"]["kv_mb"] * 1e6)
         results["redis_granularity"] = granularity(url, kv_bytes)
     shutil.rmtree(folder, ignore_errors=True)
@@ -210,13 +224,16 @@ def flags_for(name: str, args, redis_url: str | None) -> list[str]:
         "redis": [*small, "--kv-tier", redis_url or "none"],
         "memory-evict": [*small, "--kv-tier", f"memory:{args.tier_size}",
                          "--kv-tier-store", "evict"],
+        "big-memory": ["--kv-cache-size", args.big_cache, "--kv-tier",
+                       f"memory:{args.tier_size}"],
     }[name]  # fmt: skip
 
 
 @contextlib.contextmanager
-def server(flags: list[str], args):
+def server(flags: list[str], args, threads: int | None = None):
     port = free_port()
-    cmd = [sys.executable, "-m", "app", "--port", str(port), "--threads", str(args.threads),
+    threads = threads or args.threads
+    cmd = [sys.executable, "-m", "app", "--port", str(port), "--threads", str(threads),
            "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs), *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent)
     url = f"http://127.0.0.1:{port}"
@@ -264,6 +281,30 @@ def run_config(name: str, args, redis_url: str | None) -> dict:
         result = asyncio.run(ws_load.run(workload_args(args, url), cache=True))
         time.sleep(1.5)  # the engine's stats snapshot after its last step
         result["metrics"] = scrape(url)
+    return finish(name, result)
+
+
+def run_pair(a: str, b: str, args, redis_url: str | None) -> tuple[dict, dict]:
+    """Two configurations at once, a server each with half the threads, the same
+    workload against each: whatever else the machine runs slows both alike."""
+    half = max(1, args.threads // 2)
+    print(f"\n== {a} and {b} side by side, {half} thread(s) each", flush=True)
+    with (
+        server(flags_for(a, args, redis_url), args, half) as url_a,
+        server(flags_for(b, args, redis_url), args, half) as url_b,
+    ):
+
+        async def both() -> list[dict]:
+            runs = (ws_load.run(workload_args(args, u), cache=True) for u in (url_a, url_b))
+            return await asyncio.gather(*runs)
+
+        result_a, result_b = asyncio.run(both())
+        time.sleep(1.5)
+        result_a["metrics"], result_b["metrics"] = scrape(url_a), scrape(url_b)
+    return finish(a, result_a), finish(b, result_b)
+
+
+def finish(name: str, result: dict) -> dict:
     later = [r for r in result["records"] if r["index"] >= 2 and r["ttft_s"] is not None]
     result["ttft_p50_turns_2_6"] = statistics.median(r["ttft_s"] for r in later)
     ws_load.report(name, result)
@@ -280,6 +321,26 @@ def run_config(name: str, args, redis_url: str | None) -> dict:
 
 def replies(result: dict) -> dict[tuple[str, int], str]:
     return {(r["conversation"], r["index"]): r["reply"] for r in result["records"]}
+
+
+def compare_pairs(pairs: list[tuple[str, str, dict, dict]]) -> list[dict]:
+    out = []
+    print("\n== side by side (first / second)")
+    for a, b, ra, rb in pairs:
+        row = {
+            "pair": f"{a} / {b}",
+            "ttft_p50_turns_2_6_s": [ra["ttft_p50_turns_2_6"], rb["ttft_p50_turns_2_6"]],
+            "ttft_ratio": ra["ttft_p50_turns_2_6"] / rb["ttft_p50_turns_2_6"],
+            "wall_s": [ra["wall_s"], rb["wall_s"]],
+            "wall_ratio": ra["wall_s"] / rb["wall_s"],
+            "replies_identical": replies(ra) == replies(rb),
+        }
+        out.append(row)
+        print(f"   {row['pair']:16s} TTFT p50 turns 2-6 {ra['ttft_p50_turns_2_6'] * 1000:6.0f} / "
+              f"{rb['ttft_p50_turns_2_6'] * 1000:6.0f} ms = {row['ttft_ratio']:.2f}x   total "
+              f"{ra['wall_s']:6.1f} / {rb['wall_s']:6.1f} s = {row['wall_ratio']:.2f}x   "
+              f"replies identical: {row['replies_identical']}", flush=True)  # fmt: skip
+    return out
 
 
 def compare(results: dict) -> dict:
@@ -312,6 +373,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=("all", "restore", "workload"), default="all")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument(
+        "--pairs",
+        default="",
+        help="instead of --configs: A:B,C:D runs A and B side by side (then C and D)",
+    )
     ap.add_argument("--users", type=int, default=48)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--think", type=float, default=5.0, help="mean think time (s)")
@@ -334,11 +400,21 @@ def main() -> None:
         summary["restore"] = restore_part(args)
     if args.part in ("all", "workload"):
         results: dict = {}
-        names = [c for c in args.configs.split(",") if c]
         with redis_server(args.redis_maxmemory) as url:
-            for name in names:
-                results[name] = run_config(name, args, url)
-        summary["workload"] = {"runs": results, "comparison": compare(results)}
+            if args.pairs:
+                pairs = []
+                for pair in args.pairs.split(","):
+                    a, b = pair.split(":")
+                    result_a, result_b = run_pair(a, b, args, url)
+                    pairs.append((a, b, result_a, result_b))
+                    results[f"{a} (beside {b})"] = result_a
+                    results[f"{b} (beside {a})"] = result_b
+                summary["workload"] = {"runs": results, "pairs": compare_pairs(pairs)}
+            else:
+                for name in args.configs.split(","):  # a name given twice runs twice
+                    key = name if name not in results else f"{name}#{len(results)}"
+                    results[key] = run_config(name, args, url)
+                summary["workload"] = {"runs": results, "comparison": compare(results)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {args.out}")
