@@ -10,6 +10,7 @@ Every flag has an environment variable: PARLEY_ and the flag's name in capitals
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -18,10 +19,12 @@ import time
 from app.config import (
     DTYPES,
     QUANTIZATIONS,
+    TIER_STORE_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    TierConfig,
     parse_size,
 )
 
@@ -66,6 +69,28 @@ FLAGS: list[tuple[str, dict]] = [
         dict(type=float, default=None, help="inter-token target (default: 1.5x a decode step)"),
     ),
     ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
+    (
+        "--kv-tier",
+        dict(
+            type=TierConfig.parse,
+            # Host memory by default: 2 GiB, twice the default KV cache, filled only by
+            # K/V that the pool let go of (see README, "KV tier").
+            default="memory",
+            help="where K/V goes when it leaves the KV cache: none, memory[:SIZE] "
+            "(2GiB), redis://[:password@]host:port/db, or a folder[:SIZE]",
+        ),
+    ),
+    ("--kv-tier-ttl", dict(type=float, default=86400.0, help="seconds a Redis tier key lives")),
+    (
+        "--kv-tier-store",
+        dict(
+            choices=TIER_STORE_POLICIES,
+            default=None,
+            help="finish: every finished request's blocks (others sharing the tier find "
+            "them); evict: only blocks whose memory the KV cache reuses (default: evict "
+            "for a memory tier, which nobody else reads; finish for Redis or a folder)",
+        ),
+    ),
     ("--max-turns-per-socket", dict(type=int, default=8)),
     ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
     ("--max-connections", dict(type=int, default=256, help="open /ws sockets")),
@@ -152,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def tier_store(args: argparse.Namespace) -> str:
+    """When K/V is written to the tier: as asked, else on eviction for a tier in this
+    process's memory (only this process reads it, and the pool still holds what just
+    finished) and on finish for a shared one (another process may want it now)."""
+    if args.kv_tier_store:
+        return args.kv_tier_store
+    return "evict" if args.kv_tier.kind == "memory" else "finish"
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, quantization=args.quantization),
@@ -169,6 +203,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             itl_target_ms=args.itl_target_ms,
         ),
         num_threads=args.threads,
+        tier=dataclasses.replace(args.kv_tier, ttl_s=args.kv_tier_ttl, store=tier_store(args)),
     )
 
 

@@ -142,6 +142,89 @@ class SchedulerConfig:
             raise ValueError("itl_target_ms must be positive")
 
 
+TIER_KINDS = ("none", "memory", "redis", "disk")
+TIER_STORE_POLICIES = ("finish", "evict")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The KV tier below the block pool (app.kvtier): where full blocks' K/V go when they
+    leave the pool, to be loaded back instead of recomputed.
+
+    `kind` is none, memory (host memory, `size_bytes`, LRU), redis (`location` is the URL,
+    bounded by Redis's maxmemory and the key TTL) or disk (`location` is a folder,
+    `size_bytes`, LRU). Build one from the --kv-tier flag with `TierConfig.parse`.
+    `store` says when blocks are written: "finish" (every finished request's full blocks:
+    another process sharing the tier finds them at once) or "evict" (only blocks whose
+    memory the pool reuses). A load happens only when its estimated time, times
+    `min_load_speedup`, is below the estimated recompute time (0: always load).
+    """
+
+    kind: str = "none"
+    location: str = field(default="", repr=False)  # a Redis URL may hold a password
+    size_bytes: int = 2 * GiB
+    ttl_s: float = 86400.0  # Redis keys expire after this (refreshed on every load)
+    timeout_s: float = 0.5  # a Redis that answers slower than this counts as down
+    store: str = "finish"
+    min_load_speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in TIER_KINDS:
+            raise ValueError(f"kv tier must be one of {', '.join(TIER_KINDS)}, not {self.kind!r}")
+        if self.kind in ("redis", "disk") and not self.location:
+            raise ValueError(f"a {self.kind} kv tier needs a location")
+        if self.store not in TIER_STORE_POLICIES:
+            raise ValueError(f"kv tier store must be one of {', '.join(TIER_STORE_POLICIES)}")
+        if self.size_bytes <= 0 or self.ttl_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("kv tier size, TTL and timeout must be positive")
+        if self.min_load_speedup < 0:
+            raise ValueError("min_load_speedup must be >= 0")
+
+    @classmethod
+    def parse(cls, spec: str) -> TierConfig:
+        """From the --kv-tier flag: `none`, `memory`, `memory:4GiB`, `redis://host:port/db`
+        (rediss:// and unix:// too), or a folder (disk), `FOLDER:20GiB` with a budget."""
+        text = spec.strip()
+        if text in ("", "none", "off"):
+            return cls()
+        if text == "memory" or text.startswith("memory:"):
+            size = text.partition(":")[2]
+            return cls("memory", size_bytes=parse_size(size)) if size else cls("memory")
+        if text.split("://", 1)[0] in ("redis", "rediss", "unix") and "://" in text:
+            return cls("redis", text)
+        if "://" in text:
+            raise ValueError(f"kv tier: unknown URL scheme in {text.split('://', 1)[0]!r}")
+        folder, _, size = text.rpartition(":")
+        if folder and size:  # a folder with a budget: /var/cache/parley-kv:20GiB
+            try:
+                return cls("disk", folder, size_bytes=parse_size(size))
+            except ValueError:
+                pass  # a colon that belongs to the path
+        return cls("disk", text)
+
+    def describe(self) -> str:
+        """The tier for logs and metrics: a password in a URL is never shown."""
+        if self.kind == "redis":
+            return redact_url(self.location)
+        if self.kind == "disk":
+            return f"disk:{self.location}"
+        return self.kind if self.kind == "none" else f"memory:{self.size_bytes // 2**20}MiB"
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password (user:password@ or ?password=) replaced by ***."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit
+
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    userinfo, at, host = netloc.rpartition("@")
+    if at and ":" in userinfo:  # user:password@host (the user may be empty)
+        netloc = f"{userinfo.partition(':')[0]}:***@{host}"
+    query = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query)]
+    tail = f"?{urlencode(query, safe='*')}" if query else ""
+    return f"{parts.scheme}://{netloc}{parts.path}{tail}"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs."""
@@ -152,6 +235,9 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # None: one per CPU core
     debug_checks: bool = False  # check_integrity() after every step
+    # "none" here: an engine built in code keeps no tier unless asked (tests stay
+    # deterministic); the server's --kv-tier flag defaults to host memory.
+    tier: TierConfig = field(default_factory=TierConfig)
 
 
 @dataclass(frozen=True)

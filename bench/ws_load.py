@@ -96,12 +96,14 @@ class Turn:
     sent_at: float
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    tier_cached_tokens: int = 0  # of cached_tokens, loaded from the server's KV tier
     completion_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    reply: str = ""
 
 
 def user_message(seed: int, user: int, conversation: int, turn: int, paste_p: float) -> str:
@@ -154,6 +156,7 @@ async def converse(url: str, user: int, number: int, args, rec: Recorder, cache:
             }
             await ws.send(json.dumps(frame))
             reply = await receive_turn(ws, turn, rec, f"t{index}")
+            turn.reply = reply
             if turn.error:
                 return
             messages.append({"role": "assistant", "content": reply})
@@ -173,6 +176,7 @@ async def receive_turn(ws, turn: Turn, rec: Recorder, turn_id: str | None = None
             continue
         if f.get("type") == "start":
             turn.prompt_tokens, turn.cached_tokens = f["prompt_tokens"], f["cached_tokens"]
+            turn.tier_cached_tokens = f.get("tier_cached_tokens", 0)
         elif f.get("type") == "token":
             if turn.ttft_s is None:
                 turn.ttft_s = now - turn.sent_at
@@ -268,6 +272,7 @@ def summarize(rec: Recorder, wall: float) -> dict:
         "turns_per_s": len(ok) / wall if wall else 0.0,
         "prompt_tokens": sum(t.prompt_tokens for t in ok),
         "cached_tokens": sum(t.cached_tokens for t in ok),
+        "tier_cached_tokens": sum(t.tier_cached_tokens for t in ok),
         "ttft_s": percentiles([t.ttft_s for t in ok if t.ttft_s is not None]),
         "itl_s": percentiles([g for t in ok for g in t.itl_s]),
         "e2e_s": percentiles([t.e2e_s for t in ok if t.e2e_s is not None]),
@@ -496,15 +501,21 @@ def httpx_client():
 async def scrape(client, http: str) -> dict[str, float]:
     text = (await client.get(http + "/metrics")).text
     values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.partition(" ")
+    for line in text.splitlines():  # name or name{labels}, then the value
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
             values[name] = float(value)
     return values
 
 
 async def resident_mib(client, http: str) -> float:
-    return (await scrape(client, http)).get("process_resident_memory_bytes", 0.0) / 2**20
+    """The server's resident memory, less what its KV tier holds in memory: the tier fills
+    up to its budget by design (evicted K/V kept for later), which is not a leak."""
+    metrics = await scrape(client, http)
+    rss = metrics.get("process_resident_memory_bytes", 0.0)
+    if any(k.startswith('parley:kv_tier_info{backend="memory') for k in metrics):
+        rss -= metrics.get("parley:kv_tier_bytes", 0.0)
+    return rss / 2**20
 
 
 async def report_progress(rec: Recorder) -> None:

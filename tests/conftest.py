@@ -8,6 +8,7 @@ import torch
 
 from app.config import ModelConfig
 from app.model.loader import LoadedModel, load_model
+from tests.redis_server import RedisServer
 
 torch.set_num_threads(2)
 
@@ -25,10 +26,8 @@ def tokenizer(smollm: LoadedModel):
 @pytest.fixture
 def redis_server(tmp_path):
     """A redis-server of the test's own on a free loopback port (skipped where absent)."""
-    from tests.redis_server import RedisServer
-
     server = RedisServer(tmp_path / "redis").start()
     try:
         yield server
     finally:
-        server.stop()
+        server.close()

@@ -1,5 +1,11 @@
-"""A real redis-server (Debian's) on a free loopback port, for the journal's tests: started
-and stopped by the test, its data (AOF) in a temporary folder."""
+"""A real redis-server (Debian's package) on a free loopback port, for the tests that need
+one: the turn journal, the KV tier, the Ray scale-out.
+
+The `redis_server` fixture (tests/conftest.py) gives each test a server of its own, so that
+no test sees another's keys and a test may stop it. A test that needs a server it can start
+later, or one with a password, builds its own `RedisServer`. CI sets PARLEY_REQUIRE_REDIS=1,
+so that a missing redis-server fails instead of skipping.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,13 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-REDIS_SERVER = "/usr/bin/redis-server"
+REDIS_SERVER = "redis-server"
 
 
 def free_port() -> int:
@@ -21,44 +28,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def redis_or_skip() -> str:
+    """The redis-server binary; skips the test where it is absent (fails it in CI)."""
+    binary = shutil.which(REDIS_SERVER)
+    if binary:
+        return binary
+    if os.environ.get("PARLEY_REQUIRE_REDIS"):
+        pytest.fail("redis-server is missing (apt-get install redis-server)")
+    pytest.skip("redis-server is not installed")
+
+
 class RedisServer:
-    def __init__(self, folder: Path, port: int | None = None) -> None:
-        self.folder = folder
+    """One redis-server process; stop() and start() again keep its port. With a `folder`
+    its data persists there (append-only file) across a stop and a start."""
+
+    def __init__(
+        self, folder: Path | None = None, port: int | None = None, password: str | None = None
+    ) -> None:
         self.port = port or free_port()
-        self.process: subprocess.Popen | None = None
+        self.password = password
+        self.persistent = folder is not None
+        self.dir = Path(folder or tempfile.mkdtemp(prefix="parley-redis-"))
+        self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server") or REDIS_SERVER
-        if not os.path.exists(binary):
-            if os.environ.get("PARLEY_REQUIRE_REDIS"):  # CI: the journal tests must run
-                pytest.fail("redis-server is missing (apt-get install redis-server)")
-            pytest.skip("redis-server is not installed")
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--dir", str(self.folder), "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        binary = redis_or_skip()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        args += ["--appendonly", "yes" if self.persistent else "no", "--dir", str(self.dir)]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    reply = s.recv(64)
+                    if reply.startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 pass
-            assert self.process.poll() is None, "redis-server exited"
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-        self.process = None
+        """Kill it (SIGKILL: as abrupt as a crash) and wait until it is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        if not self.persistent:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -64,3 +64,24 @@ def test_resume_and_journal_flags(monkeypatch):
     args = build_parser().parse_args(["--journal-required", "--journal-consumer", "blue"])
     journal = server_config(args).journal
     assert journal.required and journal.consumer == "blue"
+
+
+def test_kv_tier_flags(monkeypatch):
+    tier = engine_config(build_parser().parse_args([])).tier
+    assert (tier.kind, tier.size_bytes, tier.store) == ("memory", 2 << 30, "evict")
+    args = build_parser().parse_args(
+        ["--kv-tier", "redis://:pw@h:6380/1", "--kv-tier-ttl", "60", "--kv-tier-store", "evict"]
+    )
+    tier = engine_config(args).tier
+    assert (tier.kind, tier.location, tier.ttl_s, tier.store) == (
+        "redis",
+        "redis://:pw@h:6380/1",
+        60,
+        "evict",
+    )
+    args = build_parser().parse_args(["--kv-tier", "redis://h:6380/1"])
+    assert engine_config(args).tier.store == "finish"  # shared: others may want it now
+    monkeypatch.setenv("PARLEY_KV_TIER", "none")
+    assert engine_config(build_parser().parse_args([])).tier.kind == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-tier", "memcached://h"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TierConfig
 from app.engine.engine import LLMEngine
 from app.model.arch import ArchConfig
 from app.model.loader import LoadedModel
@@ -89,10 +89,11 @@ def tiny_parts(
     request_timeout_s: float | None = None,
     max_waiting: int = 256,
     batching: str = "static",  # fixed chunks: schedules the tests can predict
+    tier: TierConfig | None = None,
     **arch_overrides,
 ) -> tuple[EngineConfig, LoadedModel]:
     """The config and weights of a tiny engine (for engines built elsewhere, e.g. in a
-    Ray actor)."""
+    Ray actor). With a `tier` (a KV tier below the pool) call engine.close() when done."""
     loaded = tiny_loaded(tokenizer, seed, **arch_overrides)
     arch = loaded.arch
     dtype = dtype or DTYPE
@@ -113,6 +114,7 @@ def tiny_parts(
             batching=batching,
         ),
         debug_checks=True,
+        tier=tier or TierConfig(),
     )
     return config, loaded
 

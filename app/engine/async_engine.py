@@ -78,6 +78,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        self.engine.close()  # the KV tier's threads
 
     @property
     def info(self) -> ModelInfo:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 
 NULL_BLOCK = 0
 
@@ -78,6 +79,10 @@ class BlockPool:
             block.ref_count = 1
             out.append(block)
         return out
+
+    def peek_free(self, n: int) -> list[Block]:
+        """The blocks the next allocate(n) would take (their hashes are about to go)."""
+        return list(islice(self._free.values(), n))
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block (a prefix-cache hit); revives free ones."""

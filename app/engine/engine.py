@@ -22,6 +22,7 @@ from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import BadParameter, ContextTooLong
 from app.engine.kv_cache import KVCache
 from app.engine.kv_manager import KVCacheManager
+from app.engine.kv_offload import KVOffload
 from app.engine.logprobs import Logprob
 from app.engine.model_runner import ModelRunner, ModelRunnerOutput
 from app.engine.outputs import (
@@ -35,7 +36,9 @@ from app.engine.request import FinishReason, Request, SamplingParams
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from app.engine.structured import GrammarCompiler
-from app.model.build import build_model
+from app.kvtier.backends import open_tier
+from app.kvtier.fingerprint import ModelFingerprint, weights_digest
+from app.model.build import WeightFormat, build_model
 from app.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -58,14 +61,19 @@ class LLMEngine:
         self.model, self.weight_format = built.model, built.format.describe()
         self.model_bytes = built.weight_bytes
         dtype = built.format.torch_dtype  # K/V follow the activations
+        fingerprint = None
+        if config.tier.kind != "none":
+            fingerprint = self._fingerprint(loaded, built.format)
         if model is None:
             # Ours alone: drop the memory-mapped weights before the KV cache takes memory.
             loaded.weights = {}
         self.kv_cache = KVCache(loaded.arch, config.cache, dtype, config.device)
+        self.offload = self._open_tier(fingerprint)
         self.kv = KVCacheManager(
             BlockPool(self.kv_cache.num_blocks),
             config.cache.block_size,
             config.cache.enable_prefix_caching,
+            self.offload,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
@@ -84,6 +92,37 @@ class LLMEngine:
             config.cache.block_size,
             self.kv_cache.nbytes / 2**20,
         )
+
+    def _fingerprint(self, loaded: LoadedModel, fmt: WeightFormat) -> ModelFingerprint:
+        """What K/V in the tier must have been computed with to be valid here (the format
+        as resolved: "auto" means different things on different CPUs)."""
+        return ModelFingerprint(
+            weights=weights_digest(loaded.weights),
+            arch=repr(loaded.arch),
+            dtype=fmt.dtype,
+            quantization=fmt.quantization,
+            block_size=self.config.cache.block_size,
+        )
+
+    def _open_tier(self, fingerprint: ModelFingerprint | None) -> KVOffload | None:
+        tier_config = self.config.tier
+        if fingerprint is None or not self.config.cache.enable_prefix_caching:
+            return None
+        tier = open_tier(tier_config, fingerprint.hex)
+        log.info(
+            "KV tier: %s (model fingerprint %s, stores on %s)",
+            tier.name,
+            fingerprint.hex[:12],
+            tier_config.store,
+        )
+        return KVOffload(self.kv_cache, tier, fingerprint, tier_config)
+
+    def close(self) -> None:
+        """Stop the KV tier's threads (queued stores are dropped). Idempotent."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
+            self.kv.offload = None
 
     def _resolve_max_model_len(self, loaded: LoadedModel) -> int:
         limit = loaded.arch.max_position_embeddings
@@ -277,11 +316,17 @@ class LLMEngine:
         self.housekeeping()
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.offload is not None:
+            self.offload.wait(0.05)  # a request waits for the tier: do not spin meanwhile
         if not sched.is_empty:
             try:
                 started = time.perf_counter()
                 ran = self.runner.run(sched)
-                self.scheduler.observe_step(sched, time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self.scheduler.observe_step(sched, elapsed)
+                if self.offload is not None:  # what recomputing costs, for the tier's choice
+                    tokens = sum(s.num_tokens for s in sched.scheduled)
+                    self.offload.observe_compute(tokens, elapsed)
             except Exception:
                 log.exception("a batch of %d requests failed; retrying them one by one",
                               len(sched.scheduled))  # fmt: skip
@@ -416,6 +461,7 @@ class LLMEngine:
             index=req.index,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            tier_cached_tokens=req.num_tier_cached_tokens,
         )
 
     # -- introspection -------------------------------------------------------------------
@@ -441,6 +487,8 @@ class LLMEngine:
             session_unpins=dict(self.kv.pins.unpins),
             steps=s.steps,
             step=self.scheduler.last_step,
+            tier_hits=s.tier_hits,
+            tier=self.offload.stats() if self.offload is not None else None,
         )
 
     def check_integrity(self) -> None:

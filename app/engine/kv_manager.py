@@ -5,6 +5,9 @@
 2. Session pins. A conversation keeps the blocks of its last turn (prompt and reply, the
    partial last block included) and the token ids they hold. Its next turn reuses the
    longest common token prefix with the pin, to the token, not to the block.
+3. The KV tier (optional, app.engine.kv_offload): blocks that left the pool, found by the
+   same hashes. It continues the prefix cache's run when no pin covers more; its blocks
+   are loaded into fresh blocks at allocation.
 
 A new request starts with whichever covers more.
 
@@ -20,10 +23,14 @@ import hashlib
 from array import array
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from app.engine.block_pool import Block, BlockPool
 from app.engine.request import Request
 from app.engine.session_pins import SessionPins
+
+if TYPE_CHECKING:
+    from app.engine.kv_offload import KVOffload, TierPrefix
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -43,21 +50,32 @@ def salt_root(salt: str | None) -> bytes | None:
 
 @dataclass
 class ComputedPrefix:
-    """What a new request can skip: `num_tokens` tokens whose K/V are in `blocks`."""
+    """What a new request can skip: `num_tokens` tokens whose K/V are in `blocks`, then
+    (when `tier` is set) in the tier's blocks that follow them."""
 
     blocks: list[Block]
     num_tokens: int
     from_pin: bool = False
+    tier: TierPrefix | None = None
+    num_tier_tokens: int = 0  # of num_tokens, those loaded from the tier
+    pending: bool = False  # the tier is still fetching this request's blocks: wait
 
 
 class KVCacheManager:
     """Maps requests to blocks. Check, then commit: allocate_slots either gets every block
     a step needs or changes nothing."""
 
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        offload: KVOffload | None = None,
+    ):
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload = offload if enable_prefix_caching else None  # the tier needs hashes
         self.pins = SessionPins(pool, block_size)
         self._tables: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a table already cached
@@ -83,9 +101,11 @@ class KVCacheManager:
         best = ComputedPrefix([], 0)
         if not request.use_prefix_cache:
             return best
+        chain: list[bytes] = []
         if self.enable_prefix_caching:
             self._update_hashes(request)
-            for h in request.block_hashes[: limit // self.block_size]:
+            chain = request.block_hashes[: limit // self.block_size]
+            for h in chain:
                 block = self.pool.get_cached(h)
                 if block is None:
                     break
@@ -94,7 +114,14 @@ class KVCacheManager:
         if request.session_id is not None:
             blocks, n = self.pins.lookup(request.session_id, request.all_token_ids, limit)
             if n > best.num_tokens:
-                best = ComputedPrefix(blocks, n, from_pin=True)
+                return ComputedPrefix(blocks, n, from_pin=True)
+        if self.offload is not None:
+            found = self.offload.lookup(request.request_id, chain, len(best.blocks))
+            best.pending = found.pending
+            if found.prefix is not None:
+                best.tier = found.prefix
+                best.num_tier_tokens = found.prefix.num_blocks * self.block_size
+                best.num_tokens += best.num_tier_tokens
         return best
 
     def allocate_slots(
@@ -118,12 +145,19 @@ class KVCacheManager:
         if computed is not None:
             self._num_hashed[request.request_id] = computed.num_tokens // self.block_size
         if shared is not None:
+            self._save_before_reuse(1)
             (own,) = self.pool.allocate(1)
             self._copies.append((table[shared].block_id, own.block_id))
             self.pool.free([table[shared]])  # still held by the others: it stays in use
             table[shared] = own
+        fresh = len(table)
         if needed > 0:
+            self._save_before_reuse(needed)
             table.extend(self.pool.allocate(needed))
+        if computed is not None and self.offload is not None:
+            self.offload.forget(request.request_id)
+            if computed.tier is not None:  # the first fresh blocks take the tier's K/V
+                self._load(computed.tier, table[fresh : fresh + computed.tier.num_blocks])
         return True
 
     def _shared_partial(self, table: list[Block], num_tokens: int) -> int | None:
@@ -151,6 +185,20 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def _save_before_reuse(self, n: int) -> None:
+        """With the tier storing on eviction: save the cached blocks whose memory the next
+        `n` allocations reuse."""
+        if self.offload is not None and self.offload.store_on_evict:
+            self.offload.save(self.pool.peek_free(n))
+
+    def _load(self, prefix: TierPrefix, blocks: list[Block]) -> None:
+        """Fill fresh blocks with K/V from the tier and make them findable by their
+        hashes, as if computed here."""
+        assert self.offload is not None
+        self.offload.restore(prefix, blocks)
+        for block, block_hash in zip(blocks, prefix.hashes, strict=True):
+            self.pool.cache_block(block, block_hash)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly full and computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
@@ -176,14 +224,28 @@ class KVCacheManager:
         """At the end of a request: a session's request hands its computed blocks to the
         session's pin (replacing the old pin); any other request frees them."""
         if request.session_id is None:
+            self._store(request, self._tables.get(request.request_id, []))
             self.free(request)
             return
         table = self._tables.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
+        self._store(request, table)
         tokens = request.all_token_ids[: request.num_computed_tokens]
         keep = self.num_blocks_for(len(tokens))
         self.pool.free(reversed(table[keep:]))  # a block allocated for the next token
         self.pins.pin(request.session_id, table[:keep], tokens)
+
+    def forget_lookup(self, request: Request) -> None:
+        """A waiting request is gone: drop what the tier fetched for it."""
+        if self.offload is not None:
+            self.offload.forget(request.request_id)
+
+    def _store(self, request: Request, table: list[Block]) -> None:
+        """A request ended well: its full blocks go to the tier (unless it asked for no
+        reuse, `cache: false`, which also means its K/V is kept nowhere)."""
+        offload = self.offload
+        if offload is not None and not offload.store_on_evict and request.use_prefix_cache:
+            offload.save(table)
 
     def holders(self) -> Counter[int]:
         held = Counter(b.block_id for table in self._tables.values() for b in table)

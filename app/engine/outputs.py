@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from app.engine.logprobs import Logprob
 from app.engine.request import FinishReason, Request, Timings
+from app.kvtier.stats import TierStats
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RequestOutput:
     logprobs: list[Logprob] | None = None  # one per new token id, when asked for
     # Once, on choice 0's first output: one per prompt token, the first None (echo).
     prompt_logprobs: list[Logprob | None] | None = None
+    tier_cached_tokens: int = 0  # of cached_tokens, those loaded from the KV tier
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """Fold a later output of the same choice into this one (a slow reader gets
@@ -55,6 +57,7 @@ class RequestOutput:
             index=self.index,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            tier_cached_tokens=later.tier_cached_tokens,
         )
 
 
@@ -142,6 +145,8 @@ class EngineStats:
     step: StepReport | None = None  # the last step: budget, predicted and measured time
     replicas: tuple[ReplicaStats, ...] = ()  # empty for one engine in this process
     routing: dict[str, int] = field(default_factory=dict)  # decisions by kind (affine, ...)
+    tier_hits: int = 0  # prompt tokens loaded from the KV tier (not in prefix_hits)
+    tier: TierStats | None = None  # None: no KV tier
 
 
 @dataclass(frozen=True)

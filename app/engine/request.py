@@ -269,6 +269,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache; -1 = unknown
+        self.num_tier_cached_tokens = 0  # ... of which loaded from the KV tier
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # one per full block of all_token_ids
         self.timings = Timings()

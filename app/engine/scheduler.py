@@ -7,7 +7,9 @@ Each step the scheduler hands out up to `max_num_batched_tokens` tokens:
 2. then running requests that are part-way through their prompt (chunked prefill);
 3. then new requests from the waiting queue, in the order the policy picks (shortest
    prompt first with aging, or arrival order), while the budget, `max_num_seqs` and free
-   blocks allow. A new request first takes whatever prefix of it the prefix cache holds.
+   blocks allow. A new request first takes whatever prefix of it the prefix cache holds
+   (or its session's pin, or the KV tier below the pool: while the tier's blocks are on
+   their way it waits, and nobody overtakes it).
 
 While anything decodes, the policy sizes each prefill chunk (app.engine.policy): every
 decoder waits for the whole step, so a long prompt must arrive in bites small enough to
@@ -81,6 +83,7 @@ class SchedulerStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # ... found there
     pin_hits: int = 0  # ... found in their session's pin
+    tier_hits: int = 0  # ... loaded from the KV tier
     steps: int = 0
 
 
@@ -135,6 +138,8 @@ class Scheduler:
             if seats + 1 + len(req.forks) > self.cfg.max_num_seqs:
                 break
             computed = self.kv.get_computed(req)
+            if computed.pending:
+                break  # its K/V is on its way from the tier: admitted once it has arrived
             num_hit = computed.num_tokens
             n = self._chunk(shape, req, num_hit, prefill_budget)
             if not n or not self._allocate(req, n, computed):
@@ -146,11 +151,13 @@ class Scheduler:
                 # First admission only: a preempted request's re-admission finds its own
                 # freed blocks, which is not a prefix-cache hit (and would count twice).
                 req.num_cached_tokens = num_hit
+                req.num_tier_cached_tokens = computed.num_tier_tokens
                 self.stats.prefix_queries += req.num_tokens
                 if computed.from_pin:
                     self.stats.pin_hits += num_hit
                 else:
-                    self.stats.prefix_hits += num_hit
+                    self.stats.prefix_hits += num_hit - computed.num_tier_tokens
+                    self.stats.tier_hits += computed.num_tier_tokens
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.timings.first_scheduled is None:
@@ -265,6 +272,7 @@ class Scheduler:
                 self.kv.free_or_pin(req)
         elif req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)  # holds no blocks; its session keeps its old pin
+            self.kv.forget_lookup(req)
         # (A choice not yet forked is in neither queue: it holds nothing.)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -163,7 +163,9 @@ class ChatService:
 
     @staticmethod
     def usage(out: RequestOutput) -> p.Usage:
-        return p.Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+        return p.Usage(
+            out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.tier_cached_tokens
+        )
 
     @staticmethod
     def timings(out: RequestOutput) -> p.Timings:

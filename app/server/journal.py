@@ -299,7 +299,7 @@ class Journal:
         seq: int,
         text: str,
         token_ids: list[int],
-        start: tuple[int, int] | None = None,
+        start: tuple[int, ...] | None = None,
     ) -> bool:
         """Record token frame `seq` (and the output ids since the last record) before it
         is sent. False: not recorded (the turn is no longer durable)."""

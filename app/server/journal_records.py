@@ -3,9 +3,10 @@
 A turn's record is a Redis list: its header (a TurnRecord as JSON: who, which
 conversation, the history, the prompt's token ids, the sampling parameters), then one item
 per token frame sent, `{"s": seq, "t": text, "i": [token ids since the last item]}` (the
-first with `"start": [prompt_tokens, cached_tokens]`), then its end, `{"end": terminal
-frame, "ok": bool, "i": [...]}`. A record is named by its conversation and turn id, so a
-resume after a restart can find a finished turn's record without the stream entry.
+first with `"start": [prompt_tokens, cached_tokens, tier_cached_tokens]`), then its end,
+`{"end": terminal frame, "ok": bool, "i": [...]}`. A record is named by its conversation
+and turn id, so a resume after a restart can find a finished turn's record without the
+stream entry.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class RecoveredTurn:
     record: TurnRecord
     texts: list[str]  # the token frames' texts, seq 0, 1, ...
     token_ids: list[int]  # the output token ids recorded
-    start: tuple[int, int] | None  # prompt_tokens, cached_tokens of its start frame
+    start: tuple[int, ...] | None  # prompt, cached (and tier-cached) tokens of its start frame
     end: str | None  # its terminal frame, when it had finished (only the XACK was lost)
     ok: bool  # it finished with `done` (its reply belongs to the conversation)
 
@@ -112,7 +113,7 @@ def read_record(entry: JournalEntry, items: list[bytes]) -> RecoveredTurn:
             end, ok = item["end"], bool(item["ok"])
             break
         if "start" in item and start is None:
-            start = (int(item["start"][0]), int(item["start"][1]))
+            start = tuple(int(n) for n in item["start"][:3])
         if item["s"] != len(texts):
             raise ValueError(f"frame {item['s']} recorded out of order")
         texts.append(item["t"])

@@ -1,5 +1,5 @@
 """/metrics: Prometheus metrics with vLLM's names and meanings where they exist (prefix
-`parley:` instead of `vllm:`), plus Parley's own for session pins.
+`parley:` instead of `vllm:`), plus Parley's own for session pins and the KV tier.
 
 Request-level figures are recorded on the engine's thread as tokens and requests finish
 (an EngineListener); gauges and the scheduler's counters are read at scrape time from the
@@ -18,11 +18,17 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from app.engine.outputs import FinishedRequestStats
 from app.engine.protocol import EngineClient
+from app.kvtier.stats import HistogramSnapshot, TierStats
 from app.server.journal import Journal
 from app.server.streams import Streams
 
@@ -188,6 +194,13 @@ class _EngineCollector(Collector):
             for decision in ("affine", "rebalanced", "balanced"):
                 routing.add_metric([decision], s.routing.get(decision, 0))
             yield routing
+        if s.tier is not None:
+            yield CounterMetricFamily(
+                P + "external_prefix_cache_hits",
+                "Prompt tokens loaded from the KV tier (not in prefix_cache_hits).",
+                s.tier_hits,
+            )
+            yield from _tier_metrics(s.tier)
 
 
 class ResumeCollector(Collector):
@@ -234,3 +247,56 @@ class ResumeCollector(Collector):
             "Turns taken over from the journal (a restart, or a silent process).",
             j.recovered,
         )
+
+
+TIER_ERRORS = ("unreachable", "checksum", "truncated", "foreign", "format", "load", "store")
+
+
+def _tier_metrics(t: TierStats) -> Iterator[Metric]:
+    """The KV tier's figures (app.kvtier.stats); its blocks are whole KV blocks."""
+    info = GaugeMetricFamily(
+        P + "kv_tier_info", "The KV tier in use (password redacted).", labels=["backend"]
+    )
+    info.add_metric([t.backend], 1)
+    yield info
+    yield GaugeMetricFamily(
+        P + "kv_tier_up", "1 while the KV tier is reachable, 0 while serving without it.",
+        int(t.available),
+    )  # fmt: skip
+    yield GaugeMetricFamily(P + "kv_tier_bytes", "Bytes the KV tier holds.", t.bytes_held)
+    for name, doc, value in (
+        ("hits", "KV blocks loaded from the tier into the cache.", t.hits),
+        ("misses", "KV blocks looked up in the tier and not found there (or unusable).",
+         t.misses),
+        ("stores", "KV blocks written to the tier.", t.stores),
+        ("stores_dropped", "KV blocks not written: the store queue was full or the tier down.",
+         t.stores_dropped),
+        ("loads_skipped", "Tier lookups not made: recomputing was estimated cheaper.",
+         t.loads_skipped),
+    ):  # fmt: skip
+        yield CounterMetricFamily(P + "kv_tier_" + name, doc, value)
+    errors = CounterMetricFamily(
+        P + "kv_tier_errors",
+        "KV tier errors by reason (each one a recompute or a lost store).",
+        labels=["reason"],
+    )
+    for reason in sorted(set(TIER_ERRORS) | set(t.errors)):
+        errors.add_metric([reason], t.errors.get(reason, 0))
+    yield errors
+    for name, doc, h in (
+        ("load_seconds", "One tier lookup: fetch, check and unpack (loader thread).",
+         t.load_seconds),
+        ("store_seconds", "One batch of stores: encode, checksum, write (store worker).",
+         t.store_seconds),
+        ("copy_seconds", "Engine-thread time copying blocks out of or into the KV cache.",
+         t.copy_seconds),
+    ):  # fmt: skip
+        yield _histogram(P + "kv_tier_" + name, doc, h)
+
+
+def _histogram(name: str, doc: str, h: HistogramSnapshot) -> HistogramMetricFamily:
+    cumulative, buckets = 0, []
+    for le, count in zip((*map(str, h.buckets), "+Inf"), h.counts):
+        cumulative += count
+        buckets.append((le, cumulative))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.total)

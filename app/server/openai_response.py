@@ -296,10 +296,13 @@ def usage(last: list[RequestOutput], replicas: int = 1) -> dict[str, Any]:
     """The prompt once (the choices share it), the choices' completions summed."""
     prompt = max((o.prompt_tokens for o in last), default=0)
     completion = sum(o.completion_tokens for o in last) * replicas
-    cached = max((o.cached_tokens for o in last if o.index == 0), default=0)
+    first = [o for o in last if o.index == 0]
+    cached = max((o.cached_tokens for o in first), default=0)
+    tier_cached = max((o.tier_cached_tokens for o in first), default=0)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        # tier_cached_tokens is Parley's: of the cached tokens, those loaded from the KV tier
+        "prompt_tokens_details": {"cached_tokens": cached, "tier_cached_tokens": tier_cached},
     }

@@ -7,7 +7,7 @@ Client -> server
     delete  {conversation_id}
     ping    {}
 Server -> client
-    start   {id, conversation_id, prompt_tokens, cached_tokens}
+    start   {id, conversation_id, prompt_tokens, cached_tokens, tier_cached_tokens}
     token   {id, seq, text}
     done    {id, finish_reason, usage, timings}
     error   {id | null, code, message, retryable}
@@ -216,12 +216,14 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    tier_cached_tokens: int = 0  # of cached_tokens, those loaded from the KV tier
 
     def to_dict(self) -> dict[str, int]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "tier_cached_tokens": self.tier_cached_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
@@ -240,13 +242,20 @@ class Timings:
         return {k: r(v) for k, v in self.__dict__.items()}
 
 
-def start_frame(id: str, conversation_id: str, prompt_tokens: int, cached_tokens: int) -> str:
+def start_frame(
+    id: str,
+    conversation_id: str,
+    prompt_tokens: int,
+    cached_tokens: int,
+    tier_cached_tokens: int = 0,
+) -> str:
     return _dump(
         type="start",
         id=id,
         conversation_id=conversation_id,
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
+        tier_cached_tokens=tier_cached_tokens,
     )
 
 

@@ -52,7 +52,7 @@ class Continuation:
     text: str  # the reply text clients were sent
     skip: int  # characters at the start of the new text that clients were sent already
     params: SamplingParams  # max_tokens and seed_offset moved on by len(token_ids)
-    start: tuple[int, int]  # prompt_tokens, cached_tokens of the first start frame
+    start: tuple[int, ...]  # prompt, cached and tier-cached tokens of the first start frame
 
 
 def continuation(tokenizer, turn: RecoveredTurn) -> Continuation | None:
@@ -238,7 +238,7 @@ class TurnRunner:
                 unrecorded += out.new_token_ids
                 start = None
                 if stream.start is None:
-                    start = (base or out.prompt_tokens, out.cached_tokens)
+                    start = (base or out.prompt_tokens, out.cached_tokens, out.tier_cached_tokens)
                     stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start))
                 text = out.new_text
                 if skip:
@@ -295,5 +295,6 @@ class TurnRunner:
         self.chat.log_turn(turn, last, reason)
         usage = self.chat.usage(last)
         if base:  # a continuation: the turn's own prompt, and the output before the cut
-            usage = p.Usage(base, kept + usage.completion_tokens, usage.cached_tokens)
+            usage = p.Usage(base, kept + usage.completion_tokens, usage.cached_tokens,
+                            usage.tier_cached_tokens)  # fmt: skip
         return p.done_frame(frame.id, reason, usage, self.chat.timings(last))

@@ -16,7 +16,7 @@ import httpx
 import websockets
 
 from app.chat.prompt import ChatPrompt, Message
-from app.config import CacheConfig, EngineConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
 from app.engine.request import SamplingParams
 from tests.engine.util import run
@@ -29,10 +29,18 @@ KEY = "restart-test-key"
 QUESTIONS = [f"Write a few sentences about the number {n}." for n in range(TURNS)]
 
 
+# The exact reference format: a turn taken up after the kill recomputes its sent tokens in
+# one prefill where the uninterrupted run decoded them one by one; only in fp32 are the two
+# the same to the bit that decides a greedy token (README, "Determinism").
+EXACT = ModelConfig(quantization="none", dtype="float32")
+EXACT_FLAGS = ["--quantization", "none", "--dtype", "float32"]
+
+
 def start_server(port: int, redis_url: str, log: Path) -> subprocess.Popen:
     server = subprocess.Popen(
         [sys.executable, "-m", "app", "--port", str(port), "--journal", redis_url,
-         "--api-key", KEY, "--kv-cache-size", "256MiB", "--log-level", "info"],
+         "--api-key", KEY, "--kv-cache-size", "256MiB", "--log-level", "info",
+         *EXACT_FLAGS],
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=log.open("a"),
@@ -106,7 +114,7 @@ class Client:
 
 def uninterrupted(smollm) -> list[str]:
     """The same turns, greedy, in one engine that is never stopped."""
-    engine = LLMEngine(EngineConfig(cache=CacheConfig(128 << 20)), smollm)
+    engine = LLMEngine(EngineConfig(EXACT, CacheConfig(128 << 20)), smollm)
     prompt = ChatPrompt(smollm.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, q in enumerate(QUESTIONS):

@@ -22,7 +22,9 @@ def forward_all(model, ids: list[int]) -> torch.Tensor:
 def test_llama3_rope_scaling_survives_gguf(tmp_path, tokenizer):
     hf = tiny_hf_llama3(len(tokenizer))
     path = write_llama_gguf(hf, tmp_path / "llama3.gguf", default_model_path(default_cache_dir()))
-    cfg = ModelConfig(model=str(path), cache_dir=tmp_path / "cache", quantization="none", dtype="float32")
+    cfg = ModelConfig(
+        model=str(path), cache_dir=tmp_path / "cache", quantization="none", dtype="float32"
+    )
     loaded = load_model(cfg)
     assert loaded.arch.rope_scaling is not None
     model = build_model(loaded, cfg, "cpu", 512).model

@@ -151,7 +151,9 @@ def test_int4_model_computes_what_the_dequantized_gguf_does(q4_gguf, tmp_path):
 
 
 def test_weights_that_are_not_4bit_are_rounded(mixed_gguf, tmp_path, caplog):
-    cfg = ModelConfig(model=str(mixed_gguf), cache_dir=tmp_path, quantization="none", dtype="float32")
+    cfg = ModelConfig(
+        model=str(mixed_gguf), cache_dir=tmp_path, quantization="none", dtype="float32"
+    )
     loaded = load_model(cfg)
     assert loaded.linear_types() == {"Q4_1", "Q8_0"}
     with caplog.at_level("INFO"):

@@ -113,6 +113,10 @@ def test_seed_repeats(client):
             .message.content
         )
 
+    # From the same cache state: the first call leaves the prompt in the prefix cache. (With
+    # bf16 activations a prompt computed whole and one computed from a cached prefix round
+    # differently, and a sampled reply may part at a near tie: README, "Determinism".)
+    sample(42)
     assert sample(42) == sample(42)
     assert len({sample(42), sample(1), sample(2), sample(3)}) > 1
 

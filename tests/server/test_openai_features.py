@@ -121,11 +121,16 @@ def test_chat_logprobs_match_the_models_logits(client, server, ids_of):
         [Message("user", messages[0]["content"])]
     )
     ref = model_logprobs(server, prompt + ids)
+    # The reference is one prefill; the served values came from decode steps. In fp32 they
+    # agree to rounding; with bf16 activations (the default where the CPU has native bf16)
+    # a logit is good to ~0.4% of its size, and the two paths round differently.
+    exact = server.engine.engine.weight_format.startswith("weights as loaded, float32")
+    tol = 2e-3 if exact else 0.15
     for i, e in enumerate(entries):
         row = ref[len(prompt) - 1 + i]
-        assert e.logprob == pytest.approx(row[ids[i]].item(), abs=2e-3)
+        assert e.logprob == pytest.approx(row[ids[i]].item(), abs=tol)
         top = row.topk(5)
-        assert [t.logprob for t in e.top_logprobs] == pytest.approx(top.values.tolist(), abs=2e-3)
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(top.values.tolist(), abs=tol)
         assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=2e-3)  # greedy
 
 
