@@ -67,10 +67,17 @@ def replica_pids() -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def load(url: str, args, out: Path, kill_after: float | None = None) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (not its children: Ray's actors are apart)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load(url: str, args, out: Path, kill_after: float | None = None, front: int = 0) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "ws_load.py"), "--url",
            url.replace("http", "ws") + "/ws", "--users", str(args.users), "--turns",
            str(args.turns), "--think", "0", "--out", str(out), "--timeout", "1800"]  # fmt: skip
+    before = cpu_seconds(front) if front else 0.0
     client = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     if kill_after is not None:
         time.sleep(kill_after)
@@ -78,7 +85,9 @@ def load(url: str, args, out: Path, kill_after: float | None = None) -> dict:
         print(f"killing replica process {pids[0]} of {pids}", file=sys.stderr)
         os.kill(pids[0], signal.SIGKILL)
     client.wait()
-    return json.loads(out.read_text())["runs"]["reuse"]
+    result = json.loads(out.read_text())["runs"]["reuse"]
+    result["front_cpu_s"] = cpu_seconds(front) - before if front else None
+    return result
 
 
 def main() -> None:
@@ -95,7 +104,7 @@ def main() -> None:
         for kind, flags in kinds.items() if r % 2 == 0 else reversed(kinds.items()):
             proc, url = start(flags)
             try:
-                runs[kind].append(load(url, args, tmp / f"{kind}-{r}.json"))
+                runs[kind].append(load(url, args, tmp / f"{kind}-{r}.json", front=proc.pid))
             finally:
                 stop(proc)
     for kind, results in runs.items():
@@ -113,6 +122,11 @@ def main() -> None:
     print(f"throughput, replicas / single: "
           f"{mean('replicas', 'output_tok_s') / mean('single', 'output_tok_s'):.2f}x "
           f"(target >= 0.85x)")  # fmt: skip
+    s = runs["replicas"][-1]
+    if s["front_cpu_s"] is not None:
+        tokens = s["output_tok_s"] * s["wall_s"]
+        print(f"the front process (replicas): {s['front_cpu_s']:.1f} s of CPU for {tokens:.0f} "
+              f"output tokens, {s['front_cpu_s'] / tokens * 1e6:.0f} us a token")  # fmt: skip
     if args.kill_after:
         proc, url = start(kinds["replicas"])
         try:
