@@ -1,0 +1,79 @@
+"""Where one request's decode step goes: weight matmuls against everything else.
+
+    python bench/decode_step.py [--context 40] [--steps 60] [--quantization auto --dtype auto]
+
+One request decodes greedily in the engine, alone. The median step time is measured
+without a profiler; then torch.profiler attributes the weight matmuls' time (the int4
+kernel, oneDNN's packed linears, int8 or plain GEMMs) per step. Everything else (attention
+and its K/V gather, norms, rotary, sampling, Python) is the difference: issue 12 asks for
+it to be <= 4 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.config import CacheConfig, EngineConfig, ModelConfig
+from app.engine.request import SamplingParams
+from app.llm import LLM
+
+MATMULS = (
+    "aten::_weight_int4pack_mm_for_cpu",
+    "mkldnn::_linear_pointwise",
+    "quantized::linear_dynamic",
+    "aten::mm",
+    "aten::addmm",
+    "aten::linear",
+    "fbgemm",
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=40, help="prompt tokens before decoding")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = ModelConfig(quantization=args.quantization, dtype=args.dtype)
+    llm = LLM(config=EngineConfig(model=model, cache=CacheConfig(512 << 20)))
+    engine = llm.engine
+    words = " ".join(["lighthouse"] * max(args.context - 20, 1))
+    ids = llm.chat_prompt([{"role": "user", "content": f"Tell me a story. {words}"}])
+    params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 40, ignore_eos=True)
+    engine.add_request(None, ids, params)
+    while engine.step() == [] or engine.scheduler.running[0].num_output_tokens < 10:
+        pass  # the prompt, then a few decodes to warm up
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    step = statistics.median(times)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    matmul_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(MATMULS))
+    matmul = matmul_us / 1e6 / args.steps
+    print(f"{engine.weight_format}; context {len(ids)} tokens, {torch.get_num_threads()} threads")
+    print(
+        f"  decode step      {step * 1000:6.2f} ms (median of {args.steps}, {1 / step:.0f} tok/s)"
+    )
+    print(f"  weight matmuls   {matmul * 1000:6.2f} ms (profiled)")
+    print(f"  everything else  {(step - matmul) * 1000:6.2f} ms (target <= 4 ms)")
+
+
+if __name__ == "__main__":
+    main()
