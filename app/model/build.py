@@ -87,11 +87,17 @@ def choose_format(cfg: ModelConfig, loaded: LoadedModel, device: str) -> WeightF
         if on_cpu and int4_available() and stored and stored <= NATIVE_4BIT:
             quantization = "int4"
             why.append(f"the checkpoint's linear weights are {'/'.join(sorted(stored))}: int4")
+        elif not on_cpu:
+            quantization = "none"
+            why.append(f"weights as loaded: the int4/int8 kernels here are CPU ones, not {device}")
         else:
             quantization = "none"
             why.append("weights as loaded")
     if dtype == "auto":
-        if quantization == "int4" and cpu.cpu_has_bf16():
+        if not on_cpu:
+            dtype = "bfloat16"
+            why.append(f"bf16 on {device}")
+        elif quantization == "int4" and cpu.cpu_has_bf16():
             dtype = "bfloat16"
             why.append(f"bf16 activations: this CPU has native bf16 ({cpu.describe_cpu()})")
         elif quantization == "int4":
