@@ -17,6 +17,8 @@ layers, so the Python work per layer does not grow with the number of decoding s
 Measured on 2 CPU cores: one gather + SDPA beats per-sequence calls 2-4x at 8-32
 sequences; the gather is an index_select over whole blocks; what remains is bound by
 reading K/V (at 32 sequences of ~150 tokens, attention is ~20% of a decode step).
+On CUDA, decodes attend through FlexAttention over the cache in place instead
+(flex_decode.py, AttentionMetadata.decode_flex); the CPU never takes that branch.
 """
 
 from __future__ import annotations

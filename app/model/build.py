@@ -9,7 +9,8 @@ or, for "auto", the one that suits the checkpoint and this CPU:
 "auto" serves a checkpoint whose linear weights are 4-bit (the default model is Q4_1) in
 int4, with the activations in bf16 where the CPU has native bf16 (AVX-512 BF16 or AMX) and
 in fp32 elsewhere (the int4 matmuls themselves always run in bf16). Other checkpoints are
-served as loaded, in fp32. The start-up log says what was chosen and why.
+served as loaded, in fp32. On CUDA "auto" is the weights as loaded in bf16 (the int4 and
+int8 kernels here are CPU ones). The start-up log says what was chosen and why.
 """
 
 from __future__ import annotations
