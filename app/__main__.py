@@ -144,7 +144,22 @@ FLAGS: list[tuple[str, dict]] = [
             help="send OpenTelemetry traces here (needs parley[tracing])",
         ),
     ),
-    ("--threads", dict(type=int, default=None, help="torch threads (default: cores)")),
+    (
+        "--device",
+        dict(
+            default="auto",
+            help="cpu, cuda, cuda:N or auto (CUDA when PyTorch sees a GPU, else the CPU)",
+        ),
+    ),
+    (
+        "--cuda-graphs",
+        dict(
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="replay decode steps as CUDA graphs (CUDA only; --no-cuda-graphs: eager)",
+        ),
+    ),
+    ("--threads", dict(type=int, default=None, help="torch threads on the CPU (default: cores)")),
     (
         "--replicas",
         dict(type=int, default=1, help="engine replicas on Ray (1: no Ray, one engine here)"),
@@ -177,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flag_true(value: bool | str) -> bool:
+    """A boolean flag's value; from the environment it arrives as text (1/true/yes/on)."""
+    return value if isinstance(value, bool) else value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def tier_store(args: argparse.Namespace) -> str:
     """When K/V is written to the tier: as asked, else on eviction for a tier in this
     process's memory (only this process reads it, and the pool still holds what just
@@ -202,7 +222,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             batching=args.batching,
             itl_target_ms=args.itl_target_ms,
         ),
+        device=args.device,
         num_threads=args.threads,
+        cuda_graphs=flag_true(args.cuda_graphs),
         tier=dataclasses.replace(args.kv_tier, ttl_s=args.kv_tier_ttl, store=tier_store(args)),
     )
 

@@ -232,8 +232,12 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # "cpu", "cuda", "cuda:N" or "auto" (CUDA when present), resolved once by the engine
+    # (app.model.device). "cpu" here: an engine built in code runs where tests expect it.
     device: str = "cpu"
-    num_threads: int | None = None  # None: one per CPU core
+    num_threads: int | None = None  # None: one per CPU core (set on the CPU only)
+    # Decode steps replayed as CUDA graphs, one per bucketed batch size (CUDA only).
+    cuda_graphs: bool = True
     debug_checks: bool = False  # check_integrity() after every step
     # "none" here: an engine built in code keeps no tier unless asked (tests stay
     # deterministic); the server's --kv-tier flag defaults to host memory.

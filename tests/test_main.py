@@ -85,3 +85,14 @@ def test_kv_tier_flags(monkeypatch):
     assert engine_config(build_parser().parse_args([])).tier.kind == "none"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-tier", "memcached://h"])
+
+
+def test_device_and_cuda_graph_flags(monkeypatch):
+    config = engine_config(build_parser().parse_args([]))
+    assert (config.device, config.cuda_graphs) == ("auto", True)
+    args = build_parser().parse_args(["--device", "cpu", "--no-cuda-graphs"])
+    assert (engine_config(args).device, engine_config(args).cuda_graphs) == ("cpu", False)
+    monkeypatch.setenv("PARLEY_DEVICE", "cuda:1")
+    monkeypatch.setenv("PARLEY_CUDA_GRAPHS", "0")
+    config = engine_config(build_parser().parse_args([]))
+    assert (config.device, config.cuda_graphs) == ("cuda:1", False)

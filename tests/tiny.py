@@ -66,6 +66,8 @@ def tiny_loaded(tokenizer, seed: int = 0, **arch_overrides) -> LoadedModel:
 # suite with quantized weights set them (tests/engine/test_int8_engine.py, test_int4_engine.py).
 QUANTIZATION = "none"
 DTYPE = "float32"
+# The device of every tiny engine; tests/gpu reruns the suites with "cuda".
+DEVICE = "cpu"
 
 
 def tiny_engine(tokenizer, **kw) -> LLMEngine:
@@ -113,6 +115,7 @@ def tiny_parts(
             max_waiting=max_waiting,
             batching=batching,
         ),
+        device=DEVICE,
         debug_checks=True,
         tier=tier or TierConfig(),
     )

@@ -39,6 +39,7 @@ from app.engine.structured import GrammarCompiler
 from app.kvtier.backends import open_tier
 from app.kvtier.fingerprint import ModelFingerprint, weights_digest
 from app.model.build import WeightFormat, build_model
+from app.model.device import resolve_device
 from app.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
+        self.device = resolve_device(config.device)  # once: nothing per step asks again
+        if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         loaded = model if model is not None else load_model(config.model)
         self.model_name = loaded.name
@@ -57,7 +59,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self._resolve_max_model_len(loaded)
-        built = build_model(loaded, config.model, config.device, self.max_model_len)
+        built = build_model(loaded, config.model, str(self.device), self.max_model_len)
         self.model, self.weight_format = built.model, built.format.describe()
         self.model_bytes = built.weight_bytes
         dtype = built.format.torch_dtype  # K/V follow the activations
@@ -67,7 +69,7 @@ class LLMEngine:
         if model is None:
             # Ours alone: drop the memory-mapped weights before the KV cache takes memory.
             loaded.weights = {}
-        self.kv_cache = KVCache(loaded.arch, config.cache, dtype, config.device)
+        self.kv_cache = KVCache(loaded.arch, config.cache, dtype, self.device)
         self.offload = self._open_tier(fingerprint)
         self.kv = KVCacheManager(
             BlockPool(self.kv_cache.num_blocks),
@@ -76,7 +78,13 @@ class LLMEngine:
             self.offload,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.model, self.kv_cache, Sampler())
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            Sampler(),
+            max_num_seqs=config.scheduler.max_num_seqs,
+            cuda_graphs=config.cuda_graphs,
+        )
         self.grammars = GrammarCompiler(self.tokenizer, loaded.arch.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # every live choice, by its own id
         self._groups: dict[str, list[Request]] = {}  # the caller's id -> its choices
@@ -84,7 +92,9 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._next_housekeeping = 0.0
         log.info(
-            "engine ready: %s, %s, max_model_len %d, KV cache %d blocks x %d tokens (%.0f MiB)",
+            "engine ready on %s: %s, %s, max_model_len %d, KV cache %d blocks x %d tokens "
+            "(%.0f MiB)",
+            self.device,
             self.model_name,
             self.weight_format,
             self.max_model_len,

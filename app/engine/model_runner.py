@@ -8,10 +8,12 @@ for their logprobs (echo, scoring). Choices forked from a request sample from it
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from app.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from app.engine.kv_cache import KVCache
 from app.engine.logprobs import Logprob, token_logprobs
 from app.engine.request import Request
@@ -19,7 +21,10 @@ from app.engine.sampler import Sampler
 from app.engine.scheduler import SchedulerOutput
 from app.engine.structured import token_masks
 from app.model.attention import AttentionMetadata, PrefillChunk
+from app.model.flex_decode import FlexDecode
 from app.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,31 +63,72 @@ class ModelInput:
 
 
 class ModelRunner:
-    """Runs the model on a scheduler's decision and samples next tokens."""
+    """Runs the model on a scheduler's decision and samples next tokens.
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler) -> None:
+    The device is the KV cache's, read once here. On the CPU a step is built and run as
+    it always was. On CUDA the step's index tensors go through pinned host memory,
+    decodes attend through FlexAttention over the cache in place (when it compiles here),
+    and decode-only steps replay CUDA graphs (`cuda_graphs`). Either way the one host sync
+    of a step is reading the sampled tokens back (and logprobs, for requests that ask).
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        sampler: Sampler,
+        *,
+        max_num_seqs: int = 64,
+        cuda_graphs: bool = False,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.block_size = kv_cache.block_size
         self.device = kv_cache.tensor.device
+        self.pin = self.device.type == "cuda"  # host -> device copies from pinned memory
+        self.flex: FlexDecode | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.max_flex_rows = max_num_seqs
+        if self.device.type == "cuda":
+            self.flex = _flex_decode(kv_cache, max_num_seqs, self.device)
+        if self.flex is not None and cuda_graphs:
+            self.graphs = DecodeGraphs(model, kv_cache.layers, self.flex, max_num_seqs, self.device)
+        log.info(
+            "model runner on %s: decode attention %s, CUDA graphs %s",
+            self.device,
+            "FlexAttention over the cache" if self.flex else "gathered blocks + SDPA",
+            f"for batch sizes {self.graphs.buckets}" if self.graphs else "off",
+        )
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the step's tokens; sample for the requests that reach their end."""
         if out.block_copies:
             self.kv_cache.copy_blocks(out.block_copies)
-        inp = self.prepare(out)
-        logits = self.model(
-            inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta, inp.logits_indices
-        ).float()
+        logits = None
+        if self.graphs is not None and all(s.is_decode for s in out.scheduled):
+            rows = self._decode_rows(out.scheduled)
+            if rows is not None:
+                logits = self.graphs.run(rows)  # None: more rows than the largest bucket
+        if logits is not None:
+            requests = [s.request for s in out.scheduled]  # every decode samples, in order
+            inp = ModelInput(_EMPTY, _EMPTY, AttentionMetadata(_EMPTY), _EMPTY, requests)
+        else:
+            inp = self.prepare(out)
+            logits = self.model(
+                inp.input_ids, inp.positions, self.kv_cache.layers, inp.meta, inp.logits_indices
+            )
+        logits = logits.float()
         result = ModelRunnerOutput({})
         for p in inp.prompt_rows:
             given = p.request.all_token_ids[p.first_token : p.first_token + p.count]
             rows = logits[p.row : p.row + p.count]
             k = p.request.params.prompt_logprobs or 0
-            scored = token_logprobs(rows, torch.tensor(given), [k] * p.count)
-            result.prompt_logprobs[p.request.request_id] = scored
+            given_ids = torch.tensor(given, device=logits.device)
+            result.prompt_logprobs[p.request.request_id] = token_logprobs(
+                rows, given_ids, [k] * p.count
+            )
         requests = inp.sampling_requests
         if not requests:
             return result
@@ -124,10 +170,16 @@ class ModelRunner:
             tables = [
                 s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in decodes
             ]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
-            lens = torch.tensor(context)
-            keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
-            meta.decode_mask = keep[:, None, None, :]
+            if self.flex is not None and len(decodes) <= self.max_flex_rows:
+                self.flex.write(
+                    self._upload(tables, torch.int32), self._upload(context, torch.int32)
+                )
+                meta.decode_flex = self.flex.step(len(decodes))
+            else:  # the CPU path
+                meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
+                lens = torch.tensor(context)
+                keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
+                meta.decode_mask = keep[:, None, None, :]
             logits_indices.extend(range(len(decodes)))
             sampling.extend(s.request for s in decodes)
             sample_rows.extend(range(len(decodes)))
@@ -164,27 +216,81 @@ class ModelRunner:
                     logits_indices.append(first + n - 1)
                     sampling.append(r)
 
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, pin_memory=self.pin)
         if self.device.type != "cpu":
-            _move(meta, self.device)
+            _move(meta, self.device, self.pin)
         return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            input_ids=self._upload(ids, torch.int64),
+            positions=self._upload(positions, torch.int64),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            logits_indices=self._upload(logits_indices, torch.int64),
             sampling_requests=sampling,
             sample_rows=sample_rows if prompt_rows else None,
             prompt_rows=prompt_rows,
         )
 
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A step's index list as a tensor on the device: on the CPU built in place; on
+        CUDA built in pinned memory and copied asynchronously (no host sync)."""
+        if not self.pin:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
-def _move(meta: AttentionMetadata, device: torch.device) -> None:
-    """Index tensors are built on the CPU; an accelerator needs them on its side."""
+    def _decode_rows(self, scheduled: list) -> DecodeBatch | None:
+        """A decode-only step's rows for the CUDA graphs (None: nothing to decode)."""
+        if not scheduled:
+            return None
+        bs = self.block_size
+        context = [s.start + 1 for s in scheduled]
+        width = -(-max(context) // bs)
+        return DecodeBatch(
+            input_ids=[s.request.all_token_ids[s.start] for s in scheduled],
+            positions=[s.start for s in scheduled],
+            slots=[s.block_ids[s.start // bs] * bs + s.start % bs for s in scheduled],
+            tables=[
+                s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in scheduled
+            ],
+            context_lens=context,
+        )
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)  # ModelInput fields a replayed graph does not use
+
+
+def _flex_decode(kv_cache: KVCache, max_seqs: int, device: torch.device) -> FlexDecode | None:
+    """FlexAttention decode over this cache, tried once on a one-row batch (this compiles
+    it); None, with the reason logged, where it does not run: decodes then gather."""
+    try:
+        flex = FlexDecode(kv_cache.num_blocks, kv_cache.block_size, max_seqs, device)
+        k, v = kv_cache.layers[0]
+        flex.write(
+            torch.zeros(1, 1, dtype=torch.int32, device=device),
+            torch.ones(1, dtype=torch.int32, device=device),
+        )
+        q = torch.zeros(1, k.shape[2], k.shape[3], dtype=k.dtype, device=device)
+        flex.step(1)(q, k, v, 1.0)
+        torch.cuda.synchronize(device)
+        return flex
+    except Exception as exc:  # an old PyTorch, or a block size the kernel refuses
+        log.warning("FlexAttention decode unavailable on %s (%s): gathering K/V", device, exc)
+        return None
+
+
+def _move(meta: AttentionMetadata, device: torch.device, pinned: bool) -> None:
+    """Index tensors are built on the host (pinned on CUDA); the device needs them on its
+    side. Copies from pinned memory are asynchronous; from pageable memory they are not."""
     meta.slot_mapping = meta.slot_mapping.to(device, non_blocking=True)
     if meta.decode_block_tables is not None and meta.decode_mask is not None:
-        meta.decode_block_tables = meta.decode_block_tables.to(device, non_blocking=True)
-        meta.decode_mask = meta.decode_mask.to(device, non_blocking=True)
+        meta.decode_block_tables = _pinned(meta.decode_block_tables, pinned).to(
+            device, non_blocking=True
+        )
+        meta.decode_mask = _pinned(meta.decode_mask, pinned).to(device, non_blocking=True)
     for p in meta.prefills:
         if p.block_table is not None and p.mask is not None:
-            p.block_table = p.block_table.to(device, non_blocking=True)
-            p.mask = p.mask.to(device, non_blocking=True)
+            p.block_table = _pinned(p.block_table, pinned).to(device, non_blocking=True)
+            p.mask = _pinned(p.mask, pinned).to(device, non_blocking=True)
+
+
+def _pinned(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    return t.pin_memory() if pinned else t

@@ -59,22 +59,27 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> No
     flat = logits.view(-1)  # [B * V]; a (row, token) pair is the key row * V + token
 
     repetition = [states[i].params.repetition_penalty for i in rows]
-    outputs = _keys([states[i].output_token_ids for i in rows], rows, vocab)
+    device = logits.device
+    outputs = _keys([states[i].output_token_ids for i in rows], rows, vocab, device)
     if any(r != 1.0 for r in repetition):
         # Prompts can be long: read them only for rows that have a repetition penalty.
         prompts = [
             states[i].prompt_token_ids if r != 1.0 else ()
             for i, r in zip(rows, repetition, strict=True)
         ]
-        seen = torch.cat([_keys(prompts, rows, vocab), outputs]).unique()
-        penalty = _per_row(repetition, rows, len(states))[seen // vocab]
+        seen = torch.cat([_keys(prompts, rows, vocab, device), outputs]).unique()
+        penalty = _per_row(repetition, rows, len(states), device)[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
 
     keys, counts = outputs.unique(return_counts=True)  # one key per (row, token) that occurs
     row = keys // vocab
-    presence = _per_row([states[i].params.presence_penalty for i in rows], rows, len(states))
-    frequency = _per_row([states[i].params.frequency_penalty for i in rows], rows, len(states))
+    presence = _per_row(
+        [states[i].params.presence_penalty for i in rows], rows, len(states), device
+    )
+    frequency = _per_row(
+        [states[i].params.frequency_penalty for i in rows], rows, len(states), device
+    )
     flat.index_add_(0, keys, -(presence[row] + frequency[row] * counts).to(flat.dtype))
 
 
@@ -89,29 +94,34 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     vocab = logits.shape[1]
     if max(tokens) >= vocab:
         raise ValueError(f"logit_bias names a token id outside the vocabulary of {vocab}")
+    device = logits.device
     logits.index_put_(
-        (torch.tensor(rows), torch.tensor(tokens)),
-        torch.tensor(biases, dtype=logits.dtype),
+        (torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+        torch.tensor(biases, dtype=logits.dtype, device=device),
         accumulate=True,
     )
 
 
-def _keys(token_lists: Sequence[Sequence[int]], rows: list[int], vocab: int) -> torch.Tensor:
-    """int64 [sum of lengths]: row * vocab + token for every token of every list, the lists
-    belonging to batch rows `rows`."""
+def _keys(
+    token_lists: Sequence[Sequence[int]], rows: list[int], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """int64 [sum of lengths] on `device`: row * vocab + token for every token of every list,
+    the lists belonging to batch rows `rows`. Checked on the host, then copied once."""
     tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
     if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
         # An id out of range would land on a neighbour row's logits instead of failing.
         raise ValueError(f"token id outside the vocabulary of {vocab} logits")
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
     row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
-    return row_of * vocab + tokens
+    return (row_of * vocab + tokens).to(device)  # no copy on the CPU
 
 
-def _per_row(values: list[float], rows: list[int], batch: int) -> torch.Tensor:
+def _per_row(
+    values: list[float], rows: list[int], batch: int, device: torch.device
+) -> torch.Tensor:
     """float32 [batch]: values[j] at rows[j], 0 elsewhere."""
-    out = torch.zeros(batch)
-    out[rows] = torch.tensor(values)
+    out = torch.zeros(batch, device=device)
+    out[rows] = torch.tensor(values, device=device)
     return out
 
 
@@ -142,7 +152,7 @@ class Sampler:
         if len(sampled) == len(params):
             return self._sample(logits, params, states)
         tokens = logits.argmax(dim=-1)  # greedy rows keep these
-        idx = torch.tensor(sampled, dtype=torch.long)
+        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
         chosen = [states[i] for i in sampled]
         tokens[idx] = self._sample(logits[idx], [s.params for s in chosen], chosen)
         return tokens
@@ -155,7 +165,8 @@ class Sampler:
     ) -> torch.Tensor:
         """Temperature, filters and one draw per row; x [R, V] is modified in place."""
         num_rows, vocab = x.shape
-        temperature = torch.tensor([p.temperature for p in params], dtype=x.dtype)
+        device = x.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
         # Shift each row's maximum to 0 first: a tiny temperature then sends the other
         # logits to -inf instead of overflowing to inf - inf = nan in the softmax.
         x -= x.amax(dim=-1, keepdim=True)
@@ -170,12 +181,14 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p), and x_max is 0 (shifted
             # above, and the filters always keep the top token).
-            floor = torch.tensor([_log(p.min_p) for p in params], dtype=x.dtype)
+            floor = torch.tensor([_log(p.min_p) for p in params], dtype=x.dtype, device=device)
             x.masked_fill_(x < floor.view(num_rows, 1), -math.inf)
 
         probs = x.softmax(dim=-1)
         cdf = probs.cumsum_(dim=-1)  # [R, V], non-decreasing
-        u = torch.stack([torch.rand((), generator=s.generator) for s in states])  # [R]
+        # Drawn on the host from each request's own (CPU) generator: the same numbers on
+        # every device, so a seeded request draws the same tokens on a GPU.
+        u = torch.stack([torch.rand((), generator=s.generator) for s in states]).to(device)
         target = (u * cdf[:, -1]).unsqueeze(1)  # in [0, total): some token's cdf exceeds it
         # side="right": the first token whose cdf is > target, which has probability > 0,
         # so a masked token (zero mass, flat cdf) is never picked, even when u == 0.
@@ -187,12 +200,12 @@ def _mask_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> None
     """Set to -inf, in place in x [R, V], what top_k and then top_p (on the distribution
     top_k left) drop. top_k keeps the k largest logits and any tied with the k-th."""
     num_rows, vocab = x.shape
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_k = top_k.view(num_rows, 1)
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_k = torch.tensor(ks, device=x.device).view(num_rows, 1)
     if all(p.top_p >= 1.0 for p in params):
         # top_k alone needs each row's k-th largest logit only: topk is far cheaper than
         # sorting the whole vocabulary.
-        largest = x.topk(int(top_k.max()), dim=-1).values  # [R, max k], descending
+        largest = x.topk(max(ks), dim=-1).values  # [R, max k], descending
         x.masked_fill_(x < largest.gather(1, top_k - 1), -math.inf)
         return
 
@@ -240,6 +253,7 @@ def _nucleus(
     top_p = torch.tensor(
         [p.top_p - _TOP_P_SLACK if p.top_p < 1.0 else math.inf for p in params],
         dtype=probs.dtype,
+        device=probs.device,
     ).view(num_rows, 1)
     drop |= before >= top_p
     drop[:, 0] = False  # the top token always stays, whatever top_p and the rounding say

@@ -128,8 +128,10 @@ class TokenMasks:
         """Set disallowed tokens' logits to -inf, in place, in the constrained rows."""
         import xgrammar as xgr
 
+        # The matchers fill the bitmask on the host; a GPU's logits need it on their side.
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)  # no copy on the CPU
         xgr.apply_token_bitmask_inplace(
-            logits, self.bitmask, vocab_size=logits.shape[1], indices=self.rows
+            logits, bitmask, vocab_size=logits.shape[1], indices=self.rows
         )
 
 

@@ -17,14 +17,20 @@ layers, so the Python work per layer does not grow with the number of decoding s
 Measured on 2 CPU cores: one gather + SDPA beats per-sequence calls 2-4x at 8-32
 sequences; the gather is an index_select over whole blocks; what remains is bound by
 reading K/V (at 32 sequences of ~150 tokens, attention is ~20% of a decode step).
+On CUDA, decodes attend through FlexAttention over the cache in place instead
+(flex_decode.py, AttentionMetadata.decode_flex); the CPU never takes that branch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from app.model.flex_decode import PagedDecode
 
 
 @dataclass
@@ -46,6 +52,9 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes tokens are decodes, one per sequence
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    # On CUDA: decodes attend through FlexAttention over the cache in place (flex_decode.py)
+    # instead of the gathered tables and mask above. Always None on the CPU.
+    decode_flex: PagedDecode | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -103,6 +112,8 @@ def _decode(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    if meta.decode_flex is not None:
+        return meta.decode_flex(q, k_cache, v_cache, scale)
     assert meta.decode_block_tables is not None
     B, H, D = q.shape
     num_kv_heads = k_cache.shape[2]

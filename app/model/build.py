@@ -9,7 +9,8 @@ or, for "auto", the one that suits the checkpoint and this CPU:
 "auto" serves a checkpoint whose linear weights are 4-bit (the default model is Q4_1) in
 int4, with the activations in bf16 where the CPU has native bf16 (AVX-512 BF16 or AMX) and
 in fp32 elsewhere (the int4 matmuls themselves always run in bf16). Other checkpoints are
-served as loaded, in fp32. The start-up log says what was chosen and why.
+served as loaded, in fp32. On CUDA "auto" is the weights as loaded in bf16 (the int4 and
+int8 kernels here are CPU ones). The start-up log says what was chosen and why.
 """
 
 from __future__ import annotations
@@ -87,11 +88,17 @@ def choose_format(cfg: ModelConfig, loaded: LoadedModel, device: str) -> WeightF
         if on_cpu and int4_available() and stored and stored <= NATIVE_4BIT:
             quantization = "int4"
             why.append(f"the checkpoint's linear weights are {'/'.join(sorted(stored))}: int4")
+        elif not on_cpu:
+            quantization = "none"
+            why.append(f"weights as loaded: the int4/int8 kernels here are CPU ones, not {device}")
         else:
             quantization = "none"
             why.append("weights as loaded")
     if dtype == "auto":
-        if quantization == "int4" and cpu.cpu_has_bf16():
+        if not on_cpu:
+            dtype = "bfloat16"
+            why.append(f"bf16 on {device}")
+        elif quantization == "int4" and cpu.cpu_has_bf16():
             dtype = "bfloat16"
             why.append(f"bf16 activations: this CPU has native bf16 ({cpu.describe_cpu()})")
         elif quantization == "int4":

@@ -174,17 +174,20 @@ class LlamaModel(nn.Module):
         calibration and measurements such as perplexity."""
         n, arch, block = len(ids), self.arch, 16
         shape = (-(-n // block) + 1, block, arch.num_kv_heads, arch.head_dim)
-        dtype = self.norm.weight.dtype
+        dtype, device = self.norm.weight.dtype, self.norm.weight.device
         caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(arch.num_layers)
         ]
+        positions = torch.arange(n, device=device)
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(n) + block, prefills=[PrefillChunk(0, n, n, None, None)]
+            slot_mapping=positions + block, prefills=[PrefillChunk(0, n, n, None, None)]
         )
-        positions = torch.arange(n)
-        logits_at = positions if logits_at is None else logits_at
-        return self(torch.tensor(ids), positions, caches, meta, logits_at)
+        logits_at = positions if logits_at is None else logits_at.to(device)
+        return self(torch.tensor(ids, device=device), positions, caches, meta, logits_at)
 
     @classmethod
     def from_weights(

@@ -60,3 +60,33 @@ def test_a_one_token_chunk_short_of_the_end_is_a_prefill_without_logits():
     inp = runner().prepare(SchedulerOutput([edge]))
     assert inp.meta.num_decodes == 0 and len(inp.meta.prefills) == 1
     assert inp.logits_indices.numel() == 0 and inp.sampling_requests == []
+
+
+def test_a_step_is_built_on_the_cache_device():
+    """On an accelerator every tensor of the step lives there (meta stands in for CUDA:
+    building a step needs no data)."""
+    arch = tiny_arch(100)
+    per_block = 2 * arch.num_layers * BS * arch.kv_size * 4
+    cache = KVCache(arch, CacheConfig(kv_cache_bytes=16 * per_block, block_size=BS), device="meta")
+    r = ModelRunner(model=None, kv_cache=cache, sampler=Sampler())  # type: ignore[arg-type]
+    decode = scheduled("d", list(range(10)), 9, 1, [3, 5, 7])
+    cont = scheduled("c", list(range(12)), 8, 4, [1, 2, 4])  # continues a cached prefix
+    inp = r.prepare(SchedulerOutput([cont, decode]))
+    meta = inp.meta
+    chunk = meta.prefills[0]
+    tensors = [inp.input_ids, inp.positions, inp.logits_indices, meta.slot_mapping]
+    tensors += [meta.decode_block_tables, meta.decode_mask, chunk.block_table, chunk.mask]
+    assert all(t is not None and t.device.type == "meta" for t in tensors)
+
+
+def test_the_sampler_keeps_logits_on_their_device():
+    """Temperature, top-k, min-p, logit_bias and mixed greedy rows on meta logits: a tensor
+    made on the host would raise here."""
+    params = [
+        SamplingParams(temperature=0.7, top_k=5, logit_bias=((3, 2.0),)),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, min_p=0.1),
+    ]
+    states = [Request(f"r{i}", [1, 2, 3], p, 4) for i, p in enumerate(params)]
+    tokens = Sampler()(torch.randn(3, 50, device="meta"), states)
+    assert tokens.device.type == "meta" and tokens.shape == (3,)
