@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Sequence
 
 from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine
-from app.engine.engine import LLMEngine
 from app.engine.outputs import EngineStats, FinishedRequestStats, ModelInfo, RequestOutput
 from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
@@ -22,7 +21,7 @@ class Replica:
     """The actor's body (wrapped by ray.remote in cluster.py)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.engine = AsyncEngine(LLMEngine(config, loaded))
+        self.engine = AsyncEngine.build(config, loaded)  # see AsyncEngine's docstring
         self._finished: dict[str, FinishedRequestStats] = {}
         self.engine.add_listener(self)
         self.engine.start()

@@ -6,6 +6,16 @@ by its thread: adds and aborts travel through a queue and are applied between st
 an abort frees the request's blocks before the next step runs. Outputs travel back with
 one `call_soon_threadsafe` per step. A consumer that reads slower than tokens come gets
 them merged into one output per choice rather than a growing backlog of small ones.
+
+One thread computes. PyTorch's CPU kernels run on OpenMP, and libgomp keeps a pool of
+worker threads for every thread that ever ran a parallel region, for as long as that
+thread lives. With more pool threads than cores, libgomp stops spinning between parallel
+regions and puts its workers to sleep: each of the ~300 parallel regions of a decode step
+then pays a wake-up. A model built on the event loop's thread (or on a thread pool's,
+which lives on) left such a pool behind, and one conversation over /ws decoded at ~60
+tokens/s where the same engine alone made ~115 (2 cores, int4). So `AsyncEngine.build`
+makes the engine on a thread of its own that ends when the model is built, and the engine
+thread is the only one left computing.
 """
 
 from __future__ import annotations
@@ -20,10 +30,14 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
+from app.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.engine.errors import BadParameter, EngineDead, Overloaded
 from app.engine.outputs import EngineListener, EngineStats, ModelInfo, RequestOutput
 from app.engine.request import FinishReason, Request, SamplingParams
+from app.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +78,26 @@ class AsyncEngine:
         self._info = engine.info
 
     # -- lifecycle -----------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, config: EngineConfig, model: LoadedModel | None = None) -> AsyncEngine:
+        """Load and build the engine on a short-lived thread of its own (see the module's
+        docstring: no OpenMP pool is left behind on the caller's thread)."""
+        built: list[LLMEngine] = []
+        failed: list[BaseException] = []
+
+        def make() -> None:
+            try:
+                built.append(LLMEngine(config, model))
+            except BaseException as exc:  # raised again on the caller's thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=make, name="parley-engine-build")
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]
+        return cls(built[0])
 
     def start(self) -> None:
         if self._thread is not None:
@@ -185,6 +219,8 @@ class AsyncEngine:
     # -- the loop ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.engine.device.type == "cpu":
+            torch.set_num_threads(self.engine.num_threads)  # OpenMP's count is per thread
         try:
             while not self._stopping:
                 self._drain_inbox()

@@ -53,6 +53,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)  # once: nothing per step asks again
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        # A thread's OpenMP thread count is its own: the AsyncEngine's thread sets this one.
+        self.num_threads = torch.get_num_threads()
         loaded = model if model is not None else load_model(config.model)
         self.model_name = loaded.name
         self.arch = loaded.arch

@@ -236,6 +236,5 @@ def _build_engine(config: EngineConfig, cluster: ClusterConfig) -> EngineClient:
             ) from None
         return RayCluster(config, cluster)
     from app.engine.async_engine import AsyncEngine
-    from app.engine.engine import LLMEngine
 
-    return AsyncEngine(LLMEngine(config))
+    return AsyncEngine.build(config)  # on a thread of its own: see AsyncEngine's docstring
