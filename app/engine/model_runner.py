@@ -87,9 +87,6 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = kv_cache.tensor.device
         self.pin = self.device.type == "cuda"  # host -> device copies from pinned memory
-        # One long decode on the CPU: its context in parts, two per thread (measured best
-        # on 2 cores; attention.py, _decode_one).
-        self.decode_splits = 2 * torch.get_num_threads() if self.device.type == "cpu" else 1
         self.flex: FlexDecode | None = None
         self.graphs: DecodeGraphs | None = None
         self.max_flex_rows = max_num_seqs
@@ -180,15 +177,9 @@ class ModelRunner:
                 meta.decode_flex = self.flex.step(len(decodes))
             else:  # the CPU path
                 meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
-                if len(decodes) == 1:  # exactly its context: no mask (see _decode)
-                    meta.decode_len = context[0]
-                    meta.decode_splits = self.decode_splits
-                    if _consecutive(tables[0]):
-                        meta.decode_first_block = tables[0][0]
-                else:
-                    lens = torch.tensor(context)
-                    keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
-                    meta.decode_mask = keep[:, None, None, :]
+                lens = torch.tensor(context)
+                keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
+                meta.decode_mask = keep[:, None, None, :]
             logits_indices.extend(range(len(decodes)))
             sampling.extend(s.request for s in decodes)
             sample_rows.extend(range(len(decodes)))
@@ -290,22 +281,15 @@ def _move(meta: AttentionMetadata, device: torch.device, pinned: bool) -> None:
     """Index tensors are built on the host (pinned on CUDA); the device needs them on its
     side. Copies from pinned memory are asynchronous; from pageable memory they are not."""
     meta.slot_mapping = meta.slot_mapping.to(device, non_blocking=True)
-    if meta.decode_block_tables is not None:
+    if meta.decode_block_tables is not None and meta.decode_mask is not None:
         meta.decode_block_tables = _pinned(meta.decode_block_tables, pinned).to(
             device, non_blocking=True
         )
-    if meta.decode_mask is not None:
         meta.decode_mask = _pinned(meta.decode_mask, pinned).to(device, non_blocking=True)
     for p in meta.prefills:
         if p.block_table is not None and p.mask is not None:
             p.block_table = _pinned(p.block_table, pinned).to(device, non_blocking=True)
             p.mask = _pinned(p.mask, pinned).to(device, non_blocking=True)
-
-
-def _consecutive(block_ids: list[int]) -> bool:
-    """Whether the blocks lie one after the other in the pool (a slice reads them)."""
-    first = block_ids[0]
-    return all(b == first + i for i, b in enumerate(block_ids))
 
 
 def _pinned(t: torch.Tensor, pinned: bool) -> torch.Tensor:

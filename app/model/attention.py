@@ -54,11 +54,6 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     # On CUDA: decodes attend through FlexAttention over the cache in place (flex_decode.py)
     # instead of the gathered tables and mask above. Always None on the CPU.
-    # One decode alone: its context length (decode_mask is then None: K/V are cut to the
-    # context instead), and its first block when its blocks are consecutive in the pool.
-    decode_len: int | None = None
-    decode_first_block: int | None = None
-    decode_splits: int = 1  # split-K parts for one long decode (CPU; see _decode_one)
     decode_flex: PagedDecode | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -124,58 +119,10 @@ def _decode(
     num_kv_heads = k_cache.shape[2]
     tables = meta.decode_block_tables
     L = tables.shape[1] * k_cache.shape[1]
-    qs = q.view(B, num_kv_heads, H // num_kv_heads, D)  # (B, Hkv, G, D)
-    if meta.decode_len is not None:
-        # One request (a chat alone): its K/V cut to its context, so SDPA needs no mask.
-        # A mask makes the CPU kernel ~3x slower at 6,000 tokens. Blocks that lie in order
-        # in the pool are read where they are, without a gathered copy.
-        first, n = meta.decode_first_block, tables.shape[1]
-        if first is not None:
-            ks, vs = k_cache[first : first + n], v_cache[first : first + n]
-        else:
-            ks, vs = k_cache.index_select(0, tables[0]), v_cache.index_select(0, tables[0])
-        ks = ks.view(L, num_kv_heads, D)[: meta.decode_len]
-        vs = vs.view(L, num_kv_heads, D)[: meta.decode_len]
-        return _decode_one(qs, ks, vs, meta.decode_splits, scale).reshape(B, H, D)
     # index_select over whole blocks: ~9x faster than advanced indexing (k_cache[tables]).
     flat = tables.view(-1)
     ks = k_cache.index_select(0, flat).view(B, L, num_kv_heads, D).transpose(1, 2)
     vs = v_cache.index_select(0, flat).view(B, L, num_kv_heads, D).transpose(1, 2)
+    qs = q.view(B, num_kv_heads, H // num_kv_heads, D)  # (B, Hkv, G, D)
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale)
     return o.reshape(B, H, D)
-
-
-# Below this many context tokens a part, splitting costs more than it gains.
-SPLIT_MIN_TOKENS = 256
-_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _decode_one(
-    q: torch.Tensor,  # (1, Hkv, G, D)
-    k: torch.Tensor,  # (L, Hkv, D), in order
-    v: torch.Tensor,
-    splits: int,
-    scale: float,
-) -> torch.Tensor:
-    """One query token over its whole context, with no mask. A long context is cut into
-    `splits` equal parts attended in one batched call, then merged by their log-sum-exps
-    (split-K, "flash decoding"): one decode has only as many independent rows as K/V heads
-    (3 for the default model), too few to keep every core busy over thousands of tokens.
-    On 2 cores at 2,000-6,000 tokens, 4 parts made attention ~1.4x faster."""
-    L, Hkv, D = k.shape
-    n = L // splits if _flash_with_lse is not None else 0
-    if splits < 2 or n < SPLIT_MIN_TOKENS:
-        return F.scaled_dot_product_attention(
-            q, k[None].transpose(1, 2), v[None].transpose(1, 2), scale=scale
-        )
-    cut = n * splits
-    parts_k = k[:cut].view(splits, n, Hkv, D).transpose(1, 2)
-    parts_v = v[:cut].view(splits, n, Hkv, D).transpose(1, 2)
-    out, lse = _flash_with_lse(q.expand(splits, -1, -1, -1), parts_k, parts_v, scale=scale)
-    if cut < L:  # the tail that did not fill a part
-        tail, tail_lse = _flash_with_lse(
-            q, k[cut:][None].transpose(1, 2), v[cut:][None].transpose(1, 2), scale=scale
-        )
-        out, lse = torch.cat((out, tail)), torch.cat((lse, tail_lse))
-    weights = torch.softmax(lse.float(), dim=0)[..., None]  # (parts, Hkv, G, 1)
-    return (out.float() * weights).sum(0, keepdim=True).to(q.dtype)

@@ -1,7 +1,6 @@
 """ModelRunner.prepare alone: a SchedulerOutput in, flat tensors and attention metadata
 out; no model runs."""
 
-import pytest
 import torch
 
 from app.config import CacheConfig
@@ -10,7 +9,6 @@ from app.engine.model_runner import ModelRunner
 from app.engine.request import Request, SamplingParams
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
-from app.model.attention import AttentionMetadata, _decode
 from tests.tiny import tiny_arch
 
 BS = 4
@@ -41,25 +39,18 @@ def test_decodes_come_first_and_only_sampling_rows_get_logits():
                                               25, 26, 27]  # fmt: skip
     assert inp.logits_indices.tolist() == [0, 6]  # the decode, the end of the fresh prompt
     assert [r.request_id for r in inp.sampling_requests] == ["d", "f"]
-    # One decode alone attends to exactly its context: no mask; its blocks are scattered.
-    assert inp.meta.decode_mask is None and inp.meta.decode_len == 10
-    assert inp.meta.decode_first_block is None
+    mask = inp.meta.decode_mask
+    assert mask.shape[-1] == 3 * BS and mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
 
 
 def test_several_decodes_share_one_padded_masked_gather():
     a = scheduled("a", list(range(10)), 9, 1, [3, 5, 7])
     b = scheduled("b", list(range(5)), 4, 1, [2, 4])
     inp = runner().prepare(SchedulerOutput([a, b]))
-    assert inp.meta.decode_len is None
     assert inp.meta.decode_block_tables.tolist() == [[3, 5, 7], [2, 4, 0]]
     mask = inp.meta.decode_mask
     assert mask.shape[-1] == 3 * BS and mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
     assert mask[1, 0, 0].tolist() == [True] * 5 + [False] * 7
-
-
-def test_one_decode_on_consecutive_blocks_reads_them_in_place():
-    inp = runner().prepare(SchedulerOutput([scheduled("d", list(range(10)), 9, 1, [4, 5, 6])]))
-    assert inp.meta.decode_first_block == 4 and inp.meta.decode_len == 10
 
 
 def test_a_chunk_after_a_cached_prefix_attends_through_its_block_table():
@@ -89,9 +80,8 @@ def test_a_step_is_built_on_the_cache_device():
     cache = KVCache(arch, CacheConfig(kv_cache_bytes=16 * per_block, block_size=BS), device="meta")
     r = ModelRunner(model=None, kv_cache=cache, sampler=Sampler())  # type: ignore[arg-type]
     decode = scheduled("d", list(range(10)), 9, 1, [3, 5, 7])
-    other = scheduled("o", list(range(5)), 4, 1, [8, 9])  # two decodes: a mask
     cont = scheduled("c", list(range(12)), 8, 4, [1, 2, 4])  # continues a cached prefix
-    inp = r.prepare(SchedulerOutput([cont, decode, other]))
+    inp = r.prepare(SchedulerOutput([cont, decode]))
     meta = inp.meta
     chunk = meta.prefills[0]
     tensors = [inp.input_ids, inp.positions, inp.logits_indices, meta.slot_mapping]
@@ -110,41 +100,3 @@ def test_the_sampler_keeps_logits_on_their_device():
     states = [Request(f"r{i}", [1, 2, 3], p, 4) for i, p in enumerate(params)]
     tokens = Sampler()(torch.randn(3, 50, device="meta"), states)
     assert tokens.device.type == "meta" and tokens.shape == (3,)
-
-
-@pytest.mark.parametrize("blocks", [[6, 2, 9], [4, 5, 6]], ids=["scattered", "consecutive"])
-def test_one_decode_without_a_mask_attends_as_the_masked_gather_does(blocks):
-    g = torch.Generator().manual_seed(0)
-    hkv, heads, d = 2, 4, 8
-    kc, vc = (torch.randn(12, BS, hkv, d, generator=g) for _ in range(2))
-    q = torch.randn(1, heads, d, generator=g)
-    context = 2 * BS + 3  # into the third block: its tail must not be attended
-    masked = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64),
-        num_decodes=1,
-        decode_block_tables=torch.tensor([blocks]),
-        decode_mask=(torch.arange(3 * BS) < context)[None, None, None],
-    )
-    inp = runner().prepare(SchedulerOutput([scheduled("d", [0] * context, context - 1, 1, blocks)]))
-    fast = inp.meta
-    assert fast.decode_mask is None
-    want = _decode(q, kc, vc, masked, d**-0.5)
-    got = _decode(q, kc, vc, fast, d**-0.5)
-    torch.testing.assert_close(got, want)
-    kc[blocks[-1], 3:] = 1e4  # past the context: what the masked path ignores, so does this
-    torch.testing.assert_close(_decode(q, kc, vc, fast, d**-0.5), want)
-
-
-@pytest.mark.parametrize("length", [700, 1024, 1030])
-def test_a_long_decode_split_in_parts_attends_as_one_call_does(length):
-    """Split-K: parts merged by their log-sum-exps equal one SDPA over the whole context
-    (a length that fills the parts, and ones that leave a tail)."""
-    from app.model.attention import _decode_one
-
-    g = torch.Generator().manual_seed(1)
-    k, v = (torch.randn(length, 2, 8, generator=g) for _ in range(2))
-    q = torch.randn(1, 2, 3, 8, generator=g)
-    whole = _decode_one(q, k, v, 1, 0.3)
-    split = _decode_one(q, k, v, 4, 0.3)
-    torch.testing.assert_close(split, whole)
-    assert not torch.equal(_decode_one(q, k, v, 4, 0.3), _decode_one(q, k[:-7], v[:-7], 4, 0.3))
