@@ -11,18 +11,17 @@ from __future__ import annotations
 import copy
 import logging
 import time
-import uuid
 from collections.abc import Sequence
 
 import torch
 
 from app.config import EngineConfig
+from app.engine.admission import RequestMaker
 from app.engine.block_pool import BlockPool
-from app.engine.detokenizer import IncrementalDetokenizer
-from app.engine.errors import BadParameter, ContextTooLong
+from app.engine.errors import BadParameter
 from app.engine.kv_cache import KVCache
 from app.engine.kv_manager import KVCacheManager
-from app.engine.kv_offload import KVOffload
+from app.engine.kv_offload import model_fingerprint, open_offload
 from app.engine.logprobs import Logprob
 from app.engine.model_runner import ModelRunner, ModelRunnerOutput
 from app.engine.outputs import (
@@ -36,9 +35,7 @@ from app.engine.request import FinishReason, Request, SamplingParams
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from app.engine.structured import GrammarCompiler
-from app.kvtier.backends import open_tier
-from app.kvtier.fingerprint import ModelFingerprint, weights_digest
-from app.model.build import WeightFormat, build_model
+from app.model.build import build_model
 from app.model.device import resolve_device
 from app.model.loader import LoadedModel, load_model
 
@@ -66,13 +63,13 @@ class LLMEngine:
         self.model_bytes = built.weight_bytes
         dtype = built.format.torch_dtype  # K/V follow the activations
         fingerprint = None
-        if config.tier.kind != "none":
-            fingerprint = self._fingerprint(loaded, built.format)
+        if config.tier.kind != "none" and config.cache.enable_prefix_caching:
+            fingerprint = model_fingerprint(loaded, built.format, config.cache.block_size)
         if model is None:
             # Ours alone: drop the memory-mapped weights before the KV cache takes memory.
             loaded.weights = {}
         self.kv_cache = KVCache(loaded.arch, config.cache, dtype, self.device)
-        self.offload = self._open_tier(fingerprint)
+        self.offload = open_offload(config.tier, self.kv_cache, fingerprint)
         self.kv = KVCacheManager(
             BlockPool(self.kv_cache.num_blocks),
             config.cache.block_size,
@@ -88,6 +85,15 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
         )
         self.grammars = GrammarCompiler(self.tokenizer, loaded.arch.vocab_size, self.eos_token_ids)
+        self.maker = RequestMaker(
+            self.tokenizer,
+            loaded.arch.vocab_size,
+            self.max_model_len,
+            self.kv.pool.num_blocks * self.kv.block_size,
+            config.scheduler.max_num_seqs,
+            self.eos_token_ids,
+            self.grammars,
+        )
         self.requests: dict[str, Request] = {}  # every live choice, by its own id
         self._groups: dict[str, list[Request]] = {}  # the caller's id -> its choices
         self.listeners: list[EngineListener] = []
@@ -104,30 +110,6 @@ class LLMEngine:
             config.cache.block_size,
             self.kv_cache.nbytes / 2**20,
         )
-
-    def _fingerprint(self, loaded: LoadedModel, fmt: WeightFormat) -> ModelFingerprint:
-        """What K/V in the tier must have been computed with to be valid here (the format
-        as resolved: "auto" means different things on different CPUs)."""
-        return ModelFingerprint(
-            weights=weights_digest(loaded.weights),
-            arch=repr(loaded.arch),
-            dtype=fmt.dtype,
-            quantization=fmt.quantization,
-            block_size=self.config.cache.block_size,
-        )
-
-    def _open_tier(self, fingerprint: ModelFingerprint | None) -> KVOffload | None:
-        tier_config = self.config.tier
-        if fingerprint is None or not self.config.cache.enable_prefix_caching:
-            return None
-        tier = open_tier(tier_config, fingerprint.hex)
-        log.info(
-            "KV tier: %s (model fingerprint %s, stores on %s)",
-            tier.name,
-            fingerprint.hex[:12],
-            tier_config.store,
-        )
-        return KVOffload(self.kv_cache, tier, fingerprint, tier_config)
 
     def close(self) -> None:
         """Stop the KV tier's threads (queued stores are dropped). Idempotent."""
@@ -157,94 +139,11 @@ class LLMEngine:
         use_prefix_cache: bool = True,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate and tokenize; touches no engine state, so any thread may call it.
-        Raises BadParameter (ContextTooLong for a prompt that does not fit) with a
-        message fit for the user. A `session_id` keeps the
-        request's K/V pinned for that session's next turn (see session_pins);
-        `use_prefix_cache=False` computes every prompt token (for comparisons); requests
-        with different `cache_salt`s never share prefix-cache blocks. With params.n > 1
-        the request is choice 0 and carries the others in `forks`."""
-        params = params or SamplingParams()
-        self._check_params(params, session_id)
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            token_ids = list(prompt)
-            vocab = self.arch.vocab_size
-            if any(
-                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                for t in token_ids
-            ):
-                raise BadParameter(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        if not token_ids:
-            raise BadParameter("the prompt is empty", "prompt")
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ContextTooLong(
-                f"the prompt is {n} tokens long; this model's context limit is "
-                f"{self.max_model_len} tokens, including at least one generated token",
-                n,
-                self.max_model_len,
-            )
-        capacity = self.kv.pool.num_blocks * self.kv.block_size
-        if n >= capacity:
-            raise ContextTooLong(
-                f"the prompt is {n} tokens long; the KV cache holds only {capacity} tokens",
-                n,
-                capacity,
-            )
-        # One request never outgrows the context or the whole cache: that would preempt
-        # itself forever. It stops with finish_reason "length" instead.
-        room = min(self.max_model_len, capacity) - n
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if params.max_tokens == 0:
-            max_tokens = 0  # scoring: the prompt's logprobs, nothing generated
-        # Scoring a prompt needs logits at its every token: none may come from the cache.
-        use_prefix_cache = use_prefix_cache and params.prompt_logprobs is None
-        request_id = request_id or uuid.uuid4().hex
-        req = self._choice(request_id, 0, token_ids, params, max_tokens, session_id,
-                           use_prefix_cache, cache_salt)  # fmt: skip
-        if params.response_format is not None:
-            req.grammar = self.grammars.compile(params.response_format, req.stop_token_ids)
-        for i in range(1, params.n):
-            child = self._choice(f"{request_id}#{i}", i, token_ids, params.for_choice(i),
-                                 max_tokens, None, True, cache_salt)  # fmt: skip
-            child.group_id = request_id
-            child.grammar = req.grammar.fork() if req.grammar is not None else None
-            req.forks.append(child)
-        return req
-
-    def _check_params(self, params: SamplingParams, session_id: str | None) -> None:
-        """What SamplingParams cannot check alone: limits of this engine and model."""
-        seqs = self.config.scheduler.max_num_seqs
-        if params.n > seqs:
-            raise BadParameter(f"n is limited to {seqs} here (max_num_seqs)", "n")
-        if params.n > 1 and session_id is not None:
-            raise BadParameter("n > 1 does not combine with a conversation's session", "n")
-        if params.n > 1 and params.max_tokens == 0:
-            raise BadParameter("n > 1 needs max_tokens of at least 1", "n")
-        vocab = self.arch.vocab_size
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise BadParameter(f"logit_bias token ids must be below {vocab}", "logit_bias")
-
-    def _choice(
-        self,
-        request_id: str,
-        index: int,
-        token_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        session_id: str | None,
-        use_prefix_cache: bool,
-        cache_salt: str | None,
-    ) -> Request:
-        req = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids,
-                      session_id, use_prefix_cache, cache_salt)  # fmt: skip
-        req.index = index
-        req.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.skip_special_tokens
-        )
-        return req
+        """Validate and tokenize (app.engine.admission); touches no engine state, so any
+        thread may call it. Raises BadParameter (ContextTooLong for a prompt that does
+        not fit) with a message fit for the user."""
+        return self.maker.make(prompt, params, request_id, session_id, use_prefix_cache,
+                               cache_salt)  # fmt: skip
 
     def add(self, request: Request) -> None:
         """Queue a request made by make_request (and its choices)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,14 +32,20 @@ import torch
 from app.config import TierConfig
 from app.engine.block_pool import Block
 from app.engine.kv_cache import KVCache
+from app.kvtier.backends import open_tier
 from app.kvtier.cost import LoadCostModel
 from app.kvtier.entry import BadEntry, EntryLayout, decode_into
-from app.kvtier.fingerprint import ModelFingerprint
+from app.kvtier.fingerprint import ModelFingerprint, weights_digest
 from app.kvtier.stats import TierCounters, TierStats
 from app.kvtier.store_worker import StoreWorker
 from app.kvtier.tier import Tier, TierUnavailable
+from app.model.build import WeightFormat
+from app.model.loader import LoadedModel
 
 MAX_FETCHES = 16  # lookups remembered (only the head of the queue asks, a few at most)
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -232,3 +239,27 @@ class KVOffload:
         self.worker.close()
         self._loader.shutdown(wait=True, cancel_futures=True)
         self.tier.close()
+
+
+def model_fingerprint(loaded: LoadedModel, fmt: WeightFormat, block_size: int) -> ModelFingerprint:
+    """What K/V in the tier must have been computed with to be valid here (the format as
+    resolved: "auto" means different things on different CPUs)."""
+    return ModelFingerprint(
+        weights=weights_digest(loaded.weights),
+        arch=repr(loaded.arch),
+        dtype=fmt.dtype,
+        quantization=fmt.quantization,
+        block_size=block_size,
+    )
+
+
+def open_offload(
+    config: TierConfig, kv_cache: KVCache, fingerprint: ModelFingerprint | None
+) -> KVOffload | None:
+    """The tier below this cache, or None (no tier, or no prefix caching to find it by)."""
+    if fingerprint is None:
+        return None
+    tier = open_tier(config, fingerprint.hex)
+    log.info("KV tier: %s (model fingerprint %s, stores on %s)", tier.name,
+             fingerprint.hex[:12], config.store)  # fmt: skip
+    return KVOffload(kv_cache, tier, fingerprint, config)
