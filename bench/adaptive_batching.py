@@ -29,10 +29,8 @@ from pathlib import Path
 import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_load import ROOT, start, stop
+from servers import ROOT, start, stop, write_readme_block
 from ws_load import WORDS, Recorder, Turn, client_headers, percentiles, receive_turn
-
-MARKERS = ("<!-- adaptive-batching:begin -->", "<!-- adaptive-batching:end -->")
 
 
 def prompt_of(rng: random.Random, tokens: int) -> str:
@@ -178,19 +176,6 @@ def table(capacity: float, results: dict, args) -> str:
     return "\n".join([head, "", *rows, "", "Adaptive against static, same arrivals:", "", *ratios])
 
 
-def write_readme(text: str) -> None:
-    path = ROOT / "bench" / "README.md"
-    readme = path.read_text()
-    begin, end = MARKERS
-    block = f"{begin}\n{text}\n{end}"
-    if begin in readme:
-        readme = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, readme,
-                        flags=re.S)  # fmt: skip
-    else:
-        readme += f"\n## Adaptive batching\n\n{block}\n"
-    path.write_text(readme)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
@@ -230,7 +215,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"capacity": capacity, "results": results}, indent=2))
     if args.write:
-        write_readme(text)
+        write_readme_block("adaptive-batching", "Adaptive batching", text)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ws_load
+from servers import free_port
 
 from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.async_engine import AsyncEngine
@@ -44,12 +45,6 @@ from app.engine.engine import LLMEngine
 from app.model.loader import load_model
 from app.server.app import ServerConfig, create_app
 from app.server.journal import JournalConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(folder: Path) -> tuple[subprocess.Popen, str]:

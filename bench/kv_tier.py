@@ -53,14 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ws_load  # bench/ws_load.py: the simulated users
+from servers import free_port, start, stop
 
 CONFIGS = ("big", "off", "memory", "redis", "memory-evict")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -231,29 +226,12 @@ def flags_for(name: str, args, redis_url: str | None) -> list[str]:
 
 @contextlib.contextmanager
 def server(flags: list[str], args, threads: int | None = None):
-    port = free_port()
     threads = threads or args.threads
-    cmd = [sys.executable, "-m", "app", "--port", str(port), "--threads", str(threads),
-           "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs), *flags]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start(["--threads", str(threads), "--max-num-seqs", str(args.max_num_seqs), *flags])
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {' '.join(cmd)}")
-            time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from servers import start, stop  # noqa: E402
 
 QUESTION = "Write a long story about a lighthouse keeper and a storm."
 
@@ -50,34 +52,12 @@ def engine_alone(args) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, model_flags: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "app", "--port", str(self.port), "--log-level", "warning"]
-        self.proc = subprocess.Popen([*cmd, *model_flags], cwd=ROOT)
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.3)
+        self.proc, self.url = start(model_flags)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+        stop(self.proc)
 
 
 def over_v1(server: Server, tokens: int) -> float:

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,18 +36,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-BEGIN, END = "<!-- vs-llama-cpp:begin -->", "<!-- vs-llama-cpp:end -->"
+from servers import free_port, wait_ready, write_readme_block  # noqa: E402
+
 FILLER = (
     "The keeper of the lighthouse wrote in his log every evening: the weather, the ships "
     "that passed, the state of the lamp and the oil, and whatever else the day had brought. "
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -62,21 +57,11 @@ class Server:
     """A server process on a free loopback port, ready when /v1/models answers."""
 
     def __init__(self, name: str, cmd: list[str], port: int) -> None:
-        import httpx
 
         self.name, self.port = name, port
         self.base = f"http://127.0.0.1:{port}/v1"
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(self.base + "/models", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start: {' '.join(cmd)}")
-            time.sleep(0.5)
+        wait_ready(self.proc, self.base + "/models", f"{name} ({' '.join(cmd)})")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -313,15 +298,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     if args.write:
-        readme = ROOT / "bench" / "README.md"
-        content = readme.read_text()
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in content:
-            content = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, content,
-                             flags=re.S)  # fmt: skip
-        else:
-            content += f"\n## Against llama.cpp: `vs_llama_cpp.py`\n\n{block}\n"
-        readme.write_text(content)
+        write_readme_block("vs-llama-cpp", "Against llama.cpp: `vs_llama_cpp.py`", text)
 
 
 if __name__ == "__main__":
