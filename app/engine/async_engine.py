@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -83,21 +84,9 @@ class AsyncEngine:
     def build(cls, config: EngineConfig, model: LoadedModel | None = None) -> AsyncEngine:
         """Load and build the engine on a short-lived thread of its own (see the module's
         docstring: no OpenMP pool is left behind on the caller's thread)."""
-        built: list[LLMEngine] = []
-        failed: list[BaseException] = []
-
-        def make() -> None:
-            try:
-                built.append(LLMEngine(config, model))
-            except BaseException as exc:  # raised again on the caller's thread
-                failed.append(exc)
-
-        thread = threading.Thread(target=make, name="parley-engine-build")
-        thread.start()
-        thread.join()
-        if failed:
-            raise failed[0]
-        return cls(built[0])
+        # The executor's one worker thread ends when the `with` block shuts it down.
+        with ThreadPoolExecutor(1, thread_name_prefix="parley-engine-build") as builder:
+            return cls(builder.submit(LLMEngine, config, model).result())
 
     def start(self) -> None:
         if self._thread is not None:
