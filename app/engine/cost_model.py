@@ -61,6 +61,7 @@ class StepCostModel:
         self._since_fit = 0
         self.abs_error = 0.0  # mean |predicted - measured| / measured, over recent steps
         self._errors: deque[float] = deque(maxlen=128)
+        self._error_sum = 0.0  # of _errors: a running sum, not a mean over 128 every step
 
     @property
     def steps_seen(self) -> int:
@@ -74,9 +75,12 @@ class StepCostModel:
         if seconds <= 0:
             return
         if self.steps_seen >= MIN_STEPS:
-            predicted = self.predict(shape)
-            self._errors.append(abs(predicted - seconds) / seconds)
-            self.abs_error = float(np.mean(self._errors))
+            error = abs(self.predict(shape) - seconds) / seconds
+            if len(self._errors) == self._errors.maxlen:
+                self._error_sum -= self._errors[0]
+            self._errors.append(error)
+            self._error_sum += error
+            self.abs_error = self._error_sum / len(self._errors)
         self._x.append(shape.features())
         self._y.append(seconds)
         self._since_fit += 1
