@@ -11,6 +11,9 @@ of two) made a 32-sequence decode step ~15% slower end to end on 2 CPU cores.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from app.config import CacheConfig
@@ -42,16 +45,8 @@ class KVCache:
         self.block_size = cfg.block_size
         # Zeros, not empty: padded block tables read the null block, and masked garbage
         # could be NaN, which survives a zero attention weight (0 * NaN = NaN).
-        self.tensor = torch.zeros(
-            arch.num_layers,
-            2,
-            self.num_blocks,
-            cfg.block_size,
-            arch.num_kv_heads,
-            arch.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        shape = (arch.num_layers, 2, self.num_blocks, cfg.block_size, arch.num_kv_heads)
+        self.tensor = _zeros((*shape, arch.head_dim), dtype, torch.device(device))
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
 
     @property
@@ -65,3 +60,15 @@ class KVCache:
         dst = torch.tensor([d for _, d in copies], device=self.tensor.device)
         # [layers, 2, num_blocks, ...]: one gather and one scatter along the block axis
         self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU it lies in an anonymous memory map, whose pages the
+    kernel gives out (as zeros) only when first written: the pool becomes resident as it
+    fills, not at start. (`torch.zeros` writes every page at once: a laptop chatting in one
+    tab held the whole default 1 GiB.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    memory = mmap.mmap(-1, max(nbytes, 1))  # private and anonymous: zero-filled
+    return torch.frombuffer(memory, dtype=dtype, count=math.prod(shape)).view(shape)

@@ -1,0 +1,37 @@
+"""The K/V pool's memory: zeros from the start, resident only as it is written."""
+
+from __future__ import annotations
+
+import torch
+
+from app.config import CacheConfig
+from app.engine.kv_cache import KVCache
+from tests.tiny import tiny_arch
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_the_pool_is_zeros_and_resident_only_where_written():
+    arch = tiny_arch(64)
+    before = resident_mib()
+    cache = KVCache(arch, CacheConfig(kv_cache_bytes=512 << 20), dtype=torch.bfloat16)
+    assert cache.nbytes > 500 << 20
+    assert resident_mib() - before < 64  # not the 512 MiB that torch.zeros would touch
+    k, v = cache.layers[0]
+    assert not k[:8].any() and not v[-8:].any()  # zeros, first blocks and last
+    k[:100] = 1.0  # written blocks become resident, and stay what was written
+    assert k[:100].eq(1).all() and not k[100:108].any()
+    assert resident_mib() - before < 64 + 100 * k[0].nbytes / 2**20
+
+
+def test_copy_blocks_moves_every_layer():
+    arch = tiny_arch(64)
+    cache = KVCache(arch, CacheConfig(kv_cache_bytes=4 << 20))
+    for i, (k, v) in enumerate(cache.layers):
+        k[3], v[3] = i + 1.0, -(i + 1.0)
+    cache.copy_blocks([(3, 5)])
+    for i, (k, v) in enumerate(cache.layers):
+        assert k[5].eq(i + 1.0).all() and v[5].eq(-(i + 1.0)).all()
