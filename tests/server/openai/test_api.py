@@ -15,26 +15,9 @@ from app.server.app import create_app
 from tests.e2e.live_server import live_server
 from tests.engine.util import all_free
 from tests.server.fake_engine import FakeEngine
+from tests.server.openai.util import MODEL, ask
 
-MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0, "max_tokens": 16}
-
-
-@pytest.fixture(scope="module")
-def server(smollm):
-    engine = AsyncEngine(LLMEngine(EngineConfig(cache=CacheConfig(128 << 20)), smollm))
-    with live_server(create_app(engine=engine)) as s:
-        s.engine = engine
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def ask(text):
-    return [{"role": "user", "content": text}]
 
 
 def test_models(client):

@@ -10,32 +10,8 @@ import pytest
 import torch
 
 from app.chat.prompt import ChatPrompt, Message
-from app.config import CacheConfig, EngineConfig
-from app.engine.async_engine import AsyncEngine
-from app.engine.engine import LLMEngine
-from app.server.app import create_app
 from app.server.openai_response import TokenTexts
-from tests.e2e.live_server import live_server
-
-MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def server(smollm):
-    engine = AsyncEngine(LLMEngine(EngineConfig(cache=CacheConfig(128 << 20)), smollm))
-    with live_server(create_app(engine=engine)) as s:
-        s.engine = engine
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def ask(text):
-    return [{"role": "user", "content": text}]
-
+from tests.server.openai.util import MODEL, ask
 
 SAMPLED = {"temperature": 1.0, "max_tokens": 12, "seed": 11}
 
