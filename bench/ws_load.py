@@ -509,10 +509,13 @@ async def scrape(client, http: str) -> dict[str, float]:
 
 
 async def resident_mib(client, http: str) -> float:
-    """The server's resident memory, less what its KV tier holds in memory: the tier fills
-    up to its budget by design (evicted K/V kept for later), which is not a leak."""
+    """The server's resident memory, less the K/V pool's written part and what its KV tier
+    holds in memory: both fill up to their size by design (the pool's pages become
+    resident as blocks are first used; the tier keeps evicted K/V for later), which is
+    not a leak."""
     metrics = await scrape(client, http)
     rss = metrics.get("process_resident_memory_bytes", 0.0)
+    rss -= metrics.get("parley:kv_cache_resident_bytes", 0.0)
     if any(k.startswith('parley:kv_tier_info{backend="memory') for k in metrics):
         rss -= metrics.get("parley:kv_tier_bytes", 0.0)
     return rss / 2**20

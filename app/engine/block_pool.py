@@ -44,6 +44,10 @@ class BlockPool:
         # Insertion order is the LRU order: head = freed longest ago = next to reuse.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[bytes, Block] = {}
+        # Blocks handed out at least once. Fresh blocks leave the queue in id order, so
+        # these are blocks 1..num_touched: the part of the K/V memory ever written (the
+        # pool's pages become resident on first write; see kv_cache).
+        self.num_touched = 0
 
     @property
     def num_blocks(self) -> int:
@@ -77,6 +81,7 @@ class BlockPool:
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_count = 1
+            self.num_touched = max(self.num_touched, block.block_id)
             out.append(block)
         return out
 

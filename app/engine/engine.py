@@ -400,6 +400,7 @@ class LLMEngine:
             step=self.scheduler.last_step,
             tier_hits=s.tier_hits,
             tier=self.offload.stats() if self.offload is not None else None,
+            kv_resident_bytes=(pool.num_touched + 1) * self.kv_cache.bytes_per_block,
         )
 
     def check_integrity(self) -> None:

@@ -53,6 +53,10 @@ class KVCache:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.num_blocks
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks, every layer's K and V: (source, destination) block ids
         (copy on write of a block that choices of one prompt shared)."""

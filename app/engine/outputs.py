@@ -147,6 +147,7 @@ class EngineStats:
     routing: dict[str, int] = field(default_factory=dict)  # decisions by kind (affine, ...)
     tier_hits: int = 0  # prompt tokens loaded from the KV tier (not in prefix_hits)
     tier: TierStats | None = None  # None: no KV tier
+    kv_resident_bytes: int = 0  # of the K/V pool, the blocks written at least once
 
 
 @dataclass(frozen=True)

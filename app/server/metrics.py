@@ -118,6 +118,11 @@ class _EngineCollector(Collector):
             P + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_usage
         )
         yield GaugeMetricFamily(
+            P + "kv_cache_resident_bytes",
+            "Bytes of the KV pool written so far (its memory becomes resident on first use).",
+            s.kv_resident_bytes,
+        )
+        yield GaugeMetricFamily(
             P + "sessions_pinned", "Conversations holding pinned K/V.", s.sessions_pinned
         )
         yield CounterMetricFamily(

@@ -120,3 +120,14 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_touched_blocks_count_each_block_once_in_id_order():
+    pool = BlockPool(10)
+    a = pool.allocate(3)
+    assert pool.num_touched == 3
+    pool.free(a)
+    pool.allocate(2)  # fresh blocks first (4, 5), the freed ones wait at the tail
+    assert pool.num_touched == 5
+    pool.allocate(4)  # 6..9: every block written once
+    assert pool.num_touched == 9 == pool.num_blocks

@@ -256,3 +256,6 @@ def test_metrics_move_by_exactly_what_was_served(client, server):
         assert f"parley:{gauge}" in after
     assert "parley:session_unpins_total{reason=pressure}" in after
     assert after["parley:num_requests_running"] == 0
+    # Every request wrote blocks: the pool's written part is resident, and no more than it.
+    written = after["parley:kv_cache_resident_bytes"]
+    assert 0 < written <= after["process_resident_memory_bytes"]
