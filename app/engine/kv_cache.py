@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 
 import torch
 
@@ -74,5 +75,29 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    available = available_memory()
+    if available is not None and nbytes > available:
+        # Checked now: a pool that cannot fit would otherwise fail only once it fills,
+        # in the middle of serving, at the hands of the OOM killer.
+        raise ValueError(
+            f"a KV cache of {nbytes / 2**30:.1f} GiB does not fit in the "
+            f"{available / 2**30:.1f} GiB of memory available; give a smaller --kv-cache-size"
+        )
     memory = mmap.mmap(-1, max(nbytes, 1))  # private and anonymous: zero-filled
     return torch.frombuffer(memory, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable), else the
+    machine's physical memory, else None (unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None

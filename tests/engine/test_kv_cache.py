@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from app.config import CacheConfig
-from app.engine.kv_cache import KVCache
+from app.engine.kv_cache import KVCache, available_memory
 from tests.tiny import tiny_arch
 
 
@@ -35,3 +36,10 @@ def test_copy_blocks_moves_every_layer():
     cache.copy_blocks([(3, 5)])
     for i, (k, v) in enumerate(cache.layers):
         assert k[5].eq(i + 1.0).all() and v[5].eq(-(i + 1.0)).all()
+
+
+def test_a_pool_larger_than_the_memory_is_refused_at_start():
+    available = available_memory()
+    assert available is not None and available > 0
+    with pytest.raises(ValueError, match="does not fit"):
+        KVCache(tiny_arch(64), CacheConfig(kv_cache_bytes=4 * available))
