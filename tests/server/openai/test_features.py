@@ -99,9 +99,10 @@ def test_chat_logprobs_match_the_models_logits(client, server, ids_of):
     ref = model_logprobs(server, prompt + ids)
     # The reference is one prefill; the served values came from decode steps. In fp32 they
     # agree to rounding; with bf16 activations (the default where the CPU has native bf16)
-    # a logit is good to ~0.4% of its size, and the two paths round differently.
+    # a logit is good to ~0.4% of its size, and the two paths round differently: over six
+    # chat prompts, served top-5 logprobs parted from a prefill's by up to 0.25.
     exact = server.engine.engine.weight_format.startswith("weights as loaded, float32")
-    tol = 2e-3 if exact else 0.15
+    tol = 2e-3 if exact else 0.3
     for i, e in enumerate(entries):
         row = ref[len(prompt) - 1 + i]
         assert e.logprob == pytest.approx(row[ids[i]].item(), abs=tol)
