@@ -331,10 +331,26 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    check_memory(args)
     if args.prompt is not None:
         generate_once(args)
     else:
         serve(args)
+
+
+def check_memory(args: argparse.Namespace) -> None:
+    """Refuse K/V pools that cannot fit before loading anything (the pool would refuse
+    itself too, but only after the model has loaded, in a traceback)."""
+    from app.engine.kv_cache import available_memory
+
+    pools = max(1, args.replicas) if args.prompt is None else 1
+    available = available_memory()
+    if available is not None and pools * args.kv_cache_size > available:
+        what = f"{pools} x " if pools > 1 else ""
+        raise SystemExit(
+            f"parley: --kv-cache-size {what}{args.kv_cache_size / 2**30:.1f} GiB does not "
+            f"fit in the {available / 2**30:.1f} GiB of memory available; give a smaller one"
+        )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 import pytest
 
-from app.__main__ import build_parser, engine_config
+from app.__main__ import build_parser, engine_config, main
 from app.config import parse_size
 
 
@@ -96,3 +96,13 @@ def test_device_and_cuda_graph_flags(monkeypatch):
     monkeypatch.setenv("PARLEY_CUDA_GRAPHS", "0")
     config = engine_config(build_parser().parse_args([]))
     assert (config.device, config.cuda_graphs) == ("cuda:1", False)
+
+
+def test_a_kv_cache_larger_than_the_memory_is_refused_before_loading(monkeypatch):
+    import app.engine.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: 4 << 30)
+    with pytest.raises(SystemExit, match=r"does not fit in the 4\.0 GiB"):
+        main(["--kv-cache-size", "8GiB"])
+    with pytest.raises(SystemExit, match=r"2 x 3\.0 GiB"):  # one pool per replica
+        main(["--kv-cache-size", "3GiB", "--replicas", "2"])
