@@ -341,16 +341,17 @@ def main(argv: list[str] | None = None) -> None:
 def check_memory(args: argparse.Namespace) -> None:
     """Refuse K/V pools that cannot fit before loading anything (the pool would refuse
     itself too, but only after the model has loaded, in a traceback)."""
-    from app.engine.kv_cache import available_memory
+    from app.engine.kv_cache import check_fits
 
     pools = max(1, args.replicas) if args.prompt is None else 1
-    available = available_memory()
-    if available is not None and pools * args.kv_cache_size > available:
-        what = f"{pools} x " if pools > 1 else ""
-        raise SystemExit(
-            f"parley: --kv-cache-size {what}{args.kv_cache_size / 2**30:.1f} GiB does not "
-            f"fit in the {available / 2**30:.1f} GiB of memory available; give a smaller one"
+    times = f"{pools} x " if pools > 1 else ""
+    try:
+        check_fits(
+            pools * args.kv_cache_size,
+            f"--kv-cache-size {times}{args.kv_cache_size / 2**30:.1f} GiB",
         )
+    except ValueError as exc:
+        raise SystemExit(f"parley: {exc}") from None
 
 
 if __name__ == "__main__":

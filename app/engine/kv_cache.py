@@ -74,17 +74,25 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     tab held the whole default 1 GiB.)"""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    # Checked now: a pool that cannot fit would otherwise fail only once it fills, in the
+    # middle of serving, at the hands of the OOM killer.
+    check_fits(nbytes)
+    memory = mmap.mmap(-1, max(nbytes, 1))  # private and anonymous: zero-filled
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
+
+
+def check_fits(nbytes: int, what: str | None = None) -> None:
+    """Raise ValueError if `nbytes` of K/V (`what`, for the message) cannot fit in the
+    memory available now."""
     available = available_memory()
     if available is not None and nbytes > available:
-        # Checked now: a pool that cannot fit would otherwise fail only once it fills,
-        # in the middle of serving, at the hands of the OOM killer.
+        what = what or f"a KV cache of {nbytes / 2**30:.1f} GiB"
         raise ValueError(
-            f"a KV cache of {nbytes / 2**30:.1f} GiB does not fit in the "
-            f"{available / 2**30:.1f} GiB of memory available; give a smaller --kv-cache-size"
+            f"{what} does not fit in the {available / 2**30:.1f} GiB of memory available; "
+            "give a smaller --kv-cache-size"
         )
-    memory = mmap.mmap(-1, max(nbytes, 1))  # private and anonymous: zero-filled
-    return torch.frombuffer(memory, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 def available_memory() -> int | None:
