@@ -6,6 +6,11 @@ and seeded sampled ones are compared. In fp32 both paths agree to the last bit t
 a token; with bf16 activations or int4 weights (whose matmuls take bf16 inputs) a tiny
 difference upstream can flip a rounding and, at a near tie, the token.
 
+A second table takes greedy replies cut at a few points and continued the two ways a
+resumed turn can be (app.server.turn_runner): from one prefill of the prompt plus the
+tokens before the cut, or replaying those tokens one decode step each
+(SamplingParams.replay_ids); it counts continuations that differ from the whole reply.
+
     python bench/determinism.py [--formats none:float32,int4:float32,auto:auto] [--seeds 8]
 """
 
@@ -35,6 +40,26 @@ def differing(llm: LLM, params: SamplingParams, ids: list[int]) -> bool:
     return whole != cached
 
 
+CUTS = (5, 17, 30, 45)
+
+
+def resumed(llm: LLM, ids: list[int], max_tokens: int = 64) -> tuple[int, int]:
+    """Continuations of a greedy reply, cut at CUTS, that differ from it: (from one
+    prefill, replayed)."""
+    whole = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                               ignore_eos=True))[0].token_ids  # fmt: skip
+    prefilled = replayed = 0
+    for cut in CUTS:
+        llm.engine.kv.pool.reset_prefix_cache()  # as after a restart
+        rest = SamplingParams(temperature=0, max_tokens=max_tokens - cut, ignore_eos=True)
+        prefilled += llm.generate([ids + whole[:cut]], rest)[0].token_ids != whole[cut:]
+        llm.engine.kv.pool.reset_prefix_cache()
+        replay = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                replay_ids=tuple(whole[:cut]))  # fmt: skip
+        replayed += llm.generate([ids], replay)[0].token_ids != whole[cut:]
+    return prefilled, replayed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="none:float32,int4:float32,auto:auto")
@@ -43,6 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     print("| format | seeded sampled replies that differ | greedy replies that differ |")
     print("| --- | --- | --- |")
+    continued = []
     for spec in args.formats.split(","):
         quantization, dtype = spec.split(":")
         model = ModelConfig(quantization=quantization, dtype=dtype)
@@ -60,6 +86,14 @@ def main() -> None:
         fmt = llm.engine.weight_format
         n = len(PROMPTS)
         print(f"| {fmt} | {seeded} of {n * args.seeds} | {greedy} of {n} |", flush=True)
+        counts = [resumed(llm, llm.chat_prompt([{"role": "user", "content": t}])) for t in PROMPTS]
+        continued.append((fmt, *map(sum, zip(*counts, strict=True))))
+    n = len(PROMPTS) * len(CUTS)
+    print(f"\nGreedy replies cut after {', '.join(map(str, CUTS))} tokens and continued:\n")
+    print("| format | from one prefill: differ | replayed: differ |")
+    print("| --- | --- | --- |")
+    for fmt, prefilled, replayed in continued:
+        print(f"| {fmt} | {prefilled} of {n} | {replayed} of {n} |")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from app.engine.outputs import (
     ReplicaStats,
     RequestOutput,
 )
-from app.engine.request import SamplingParams
+from app.engine.request import REPLAY_MAX_TOKENS, SamplingParams
 from app.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -183,9 +183,7 @@ class RayCluster:
             if not loads:
                 raise EngineDead("no engine replica is running; retry shortly")
             replica, _ = self.router.pick(key, loads)
-            done = len(sent)  # tokens this attempt's prompt carries: its outputs come after
-            left = None if params.max_tokens is None else params.max_tokens - done
-            resumed = dataclasses.replace(params, max_tokens=left) if done else params
+            prompt, resumed, done = _resumed(ids, params, sent)
             self.in_flight[replica] += 1
             self._where[request_id] = replica
             finished = False
@@ -193,9 +191,7 @@ class RayCluster:
                 stream = (
                     self.replicas[replica]
                     .generate.options(num_returns="streaming")
-                    .remote(
-                        ids + sent, resumed, request_id, session_id, use_prefix_cache, cache_salt
-                    )
+                    .remote(prompt, resumed, request_id, session_id, use_prefix_cache, cache_salt)
                 )
                 async for ref in stream:
                     item = await ref
@@ -298,6 +294,24 @@ def _prefix_key(ids: list[int], salt: str | None) -> str:
     """Requests that start alike go alike: their shared prefix is cached there."""
     h = hashlib.blake2b(repr((salt, ids[:ROUTING_PREFIX_TOKENS])).encode(), digest_size=12)
     return "prefix:" + h.hexdigest()
+
+
+def _resumed(
+    ids: list[int], params: SamplingParams, sent: list[int]
+) -> tuple[list[int], SamplingParams, int]:
+    """What a request cut after `sent` tokens is sent to another replica as: its prompt,
+    its params, and how many tokens of its output its prompt carries. Up to
+    REPLAY_MAX_TOKENS the replica replays them (exact in any dtype, outputs only after
+    them); past it, or where replay does not apply (n > 1, logprobs), they become prompt
+    and the seed's random stream moves on by them."""
+    if not sent:
+        return ids, params, 0
+    replayable = params.n == 1 and params.logprobs is None and params.prompt_logprobs is None
+    if replayable and len(sent) <= REPLAY_MAX_TOKENS:
+        return ids, dataclasses.replace(params, replay_ids=tuple(sent)), 0
+    left = None if params.max_tokens is None else params.max_tokens - len(sent)
+    offset = params.seed_offset + len(sent)
+    return ids + sent, dataclasses.replace(params, max_tokens=left, seed_offset=offset), len(sent)
 
 
 def _continued(

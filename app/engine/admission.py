@@ -105,6 +105,8 @@ class RequestMaker:
         vocab = self.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise BadParameter(f"logit_bias token ids must be below {vocab}", "logit_bias")
+        if any(t >= vocab for t in params.replay_ids):
+            raise BadParameter(f"replay_ids must be below {vocab}", "replay_ids")
 
     def _choice(
         self,

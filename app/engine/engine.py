@@ -286,9 +286,9 @@ class LLMEngine:
                 if token is None or req.is_finished:
                     continue  # a prefill chunk short of the prompt's end, or a failure
                 try:
-                    outputs.append(
-                        self._accept_token(req, token, now, ran.logprobs.get(req.request_id))
-                    )
+                    out = self._accept_token(req, token, now, ran.logprobs.get(req.request_id))
+                    if out is not None:
+                        outputs.append(out)
                 except Exception:  # e.g. the detokenizer: this one fails, the others go on
                     log.exception("request %s failed after sampling", req.request_id)
                     self._stop(req, FinishReason.ERROR)
@@ -301,17 +301,23 @@ class LLMEngine:
 
     def _accept_token(
         self, req: Request, token: int, now: float, logprob: Logprob | None = None
-    ) -> RequestOutput:
-        """Append a sampled token, run the stop checks; the request's output."""
+    ) -> RequestOutput | None:
+        """Append a sampled token, run the stop checks; the request's output. A token
+        being replayed (params.replay_ids) replaces the sampled one and goes out with no
+        output, unless the request ends on it."""
+        replaying = req.num_output_tokens < len(req.params.replay_ids)
+        if replaying:
+            token = req.params.replay_ids[req.num_output_tokens]
         req.append_output_token(token)
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        gap = None if req.timings.last_token is None else now - req.timings.last_token
-        if req.timings.first_token is None:
-            req.timings.first_token = now
-        req.timings.last_token = now
-        for listener in self.listeners:
-            listener.on_tokens(req.request_id, 1, gap)
+        if not replaying:
+            if logprob is not None:
+                req.logprobs.append(logprob)
+            gap = None if req.timings.last_token is None else now - req.timings.last_token
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            req.timings.last_token = now
+            for listener in self.listeners:
+                listener.on_tokens(req.request_id, 1, gap)
         detok = req.detokenizer
         assert detok is not None
         reason = None
@@ -336,6 +342,8 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(req, reason)
             self._finished(req)
+        if replaying:  # the caller has this token and its text
+            return None if reason is None else self._output(req, "", [])
         return self._output(req, text, [token])
 
     def _tell_finished(self, req: Request) -> None:

@@ -48,6 +48,13 @@ class ResponseFormat:
             raise BadParameter("a json_schema response_format needs its schema", "response_format")
 
 
+# Callers that take up a cut request (a turn after a restart, a reply after its replica
+# died) replay up to this many output tokens, one decode step each (~10 ms for one request
+# on 2 cores, so ~5 s at most); past it they recompute them in one prefill, which is
+# cheaper but parts from the uninterrupted reply where bf16 rounds differently.
+REPLAY_MAX_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Invalid values raise BadParameter (a
@@ -88,6 +95,12 @@ class SamplingParams:
     # Draws of the seed's random stream already spent: a request that continues another's
     # output (a turn resumed after a restart) samples on from where that one stopped.
     seed_offset: int = 0
+    # Output tokens this request re-derives before it generates (a turn resumed after a
+    # restart or a lost replica): each is fed back by a decode step of its own, exactly as
+    # it was first decoded, so that the K/V (in any dtype) and the seed's random stream end
+    # where an uninterrupted run's did. The sampler still draws for them, its pick is
+    # replaced, and they produce no output: the caller has them. Part of max_tokens.
+    replay_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a single stop string, store tuples (hashable, immutable).
@@ -95,6 +108,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "replay_ids", tuple(self.replay_ids))
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = bias.items()
@@ -164,6 +178,23 @@ class SamplingParams:
             )
         offset = integer("seed_offset", self.seed_offset)
         check(offset >= 0, "seed_offset", f"must be >= 0, got {offset}")
+        if self.replay_ids:
+            check(
+                all(integer("replay_ids", t) >= 0 for t in self.replay_ids),
+                "replay_ids",
+                "must be token ids >= 0",
+            )
+            check(self.n == 1, "replay_ids", "need n = 1")
+            check(
+                self.logprobs is None and self.prompt_logprobs is None,
+                "replay_ids",
+                "cannot be combined with logprobs",
+            )
+            check(
+                self.max_tokens is None or len(self.replay_ids) < self.max_tokens,
+                "replay_ids",
+                f"must be fewer than max_tokens ({self.max_tokens})",
+            )
         check(
             len(self.stop) <= MAX_STOP_STRINGS,
             "stop",

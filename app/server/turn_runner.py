@@ -5,16 +5,25 @@ A turn runs as a task of its own, apart from any socket: its frames go to its Tu
 (app.server.journal), the turn is appended before it is scheduled and each token frame is
 recorded before it is shown, so a turn can be taken up again by the next process.
 
-Taking a turn up again (recovery): the new request's prompt is the old prompt plus the
-output recorded so far, cut back to the last token whose text the clients were wholly sent
-(a character split over tokens, or text held back as a possible stop string, is generated
-again); the first characters of the new text, which the clients already had, are skipped.
-The prefix cache makes the recompute cheap where it still holds the prompt. max_tokens
-shrinks by the tokens kept and `seed_offset` grows by them, so sampling draws on from the
-same point of the seed's stream: a journaled turn that samples is given a seed if it had
-none. What holds: greedy and seeded replies continue as they would have, up to the
-floating-point difference between one prefill and many decode steps; presence and
-frequency penalties no longer count the output before the cut (it is now prompt).
+Taking a turn up again (recovery): a turn cut within its first REPLAY_MAX_TOKENS tokens
+is replayed. The new request has the old prompt and replays the recorded output
+(SamplingParams.replay_ids): each recorded token is fed back by a decode step of its own,
+as it was first decoded, and only what follows reaches the stream. Its K/V, its sampler's
+random stream, its penalties and its detokenizer then stand exactly where the
+uninterrupted run's did, in any dtype: greedy and seeded replies go on token for token.
+(bench/README.md, "Determinism": continuing from one prefill of the same tokens instead
+parted from the uninterrupted reply in 10 of 24 greedy cuts with bf16 activations.)
+
+A longer output would cost as many decode steps, so past REPLAY_MAX_TOKENS the new
+request's prompt is the old prompt plus the output so far, computed in one prefill (the
+prefix cache makes that cheap where it still holds the prompt). It is cut back to the last
+token whose text the clients were wholly sent (a character split over tokens, or text held
+back as a possible stop string, is generated again) and the first characters of the new
+text, which the clients had, are skipped. max_tokens shrinks by the tokens kept and
+`seed_offset` grows by them, so sampling draws on from the same point of the seed's
+stream. That continues exactly in fp32 only, and presence and frequency penalties no
+longer count the output before the cut (it is now prompt). Either way a journaled turn
+that samples is given a seed if it had none.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from app.chat.sessions import conversation_key
 from app.engine.outputs import RequestOutput
-from app.engine.request import FinishReason, SamplingParams
+from app.engine.request import REPLAY_MAX_TOKENS, FinishReason, SamplingParams
 from app.server import protocol as p
 from app.server.chat_service import ChatService, Turn
 from app.server.errors import ENGINE_ERRORS, ws_error
@@ -48,17 +57,32 @@ class Continuation:
 
     entry: JournalEntry
     prompt_ids: list[int]  # the turn's prompt
-    token_ids: list[int]  # the output kept: part of the new request's prompt
+    token_ids: list[int]  # the output kept: replayed, or part of the new request's prompt
     text: str  # the reply text clients were sent
     skip: int  # characters at the start of the new text that clients were sent already
-    params: SamplingParams  # max_tokens and seed_offset moved on by len(token_ids)
+    # Replayed: the recorded output as params.replay_ids. Otherwise max_tokens and
+    # seed_offset moved on by len(token_ids).
+    params: SamplingParams
     start: tuple[int, ...]  # prompt, cached and tier-cached tokens of the first start frame
+
+    @property
+    def replays(self) -> bool:
+        return bool(self.params.replay_ids)
 
 
 def continuation(tokenizer, turn: RecoveredTurn) -> Continuation | None:
     """Where `turn` picks up; None when its token budget is spent already."""
     text = "".join(turn.texts)
     ids = turn.token_ids
+    params = turn.record.params
+    start = turn.start or (len(turn.record.prompt_ids), 0)
+    if len(ids) <= REPLAY_MAX_TOKENS:
+        if params.max_tokens is not None and len(ids) >= params.max_tokens:
+            return None
+        # The recorded ids are exactly those whose text was recorded (a frame's ids are
+        # written with its text): replayed, they leave the detokenizer where it was.
+        params = replace(params, replay_ids=tuple(ids))
+        return Continuation(turn.entry, turn.record.prompt_ids, ids, text, 0, params, start)
     skip_special = turn.record.params.skip_special_tokens
     keep = len(ids)
     decoded = ""
@@ -69,12 +93,10 @@ def continuation(tokenizer, turn: RecoveredTurn) -> Continuation | None:
         keep -= 1
     if keep == 0:
         decoded = ""
-    params = turn.record.params
     max_tokens = None if params.max_tokens is None else params.max_tokens - keep
     if max_tokens is not None and max_tokens < 1:
         return None
     params = replace(params, max_tokens=max_tokens, seed_offset=params.seed_offset + keep)
-    start = turn.start or (len(turn.record.prompt_ids), 0)
     return Continuation(turn.entry, turn.record.prompt_ids, ids[:keep], text,
                         len(text) - len(decoded), params, start)  # fmt: skip
 
@@ -198,7 +220,7 @@ class TurnRunner:
         entry = cont.entry if cont else None
         reply: list[str] = [cont.text] if cont else []
         reply_ids: list[int] = list(cont.token_ids) if cont else []
-        kept = len(reply_ids)
+        kept = 0 if cont is None or cont.replays else len(reply_ids)  # output not in usage
         unrecorded: list[int] = []  # output ids not in the journal yet
         skip = cont.skip if cont else 0
         last: RequestOutput | None = None
@@ -216,6 +238,8 @@ class TurnRunner:
                                         frame.cache, salt, prompt_ids)  # fmt: skip
                     entry = await self.journal.accept(record, turn.conversation.key)
                 base = 0
+            elif cont.replays:  # the engine's usage counts the replayed output
+                prompt_ids, params, base = cont.prompt_ids, cont.params, 0
             else:
                 prompt_ids = cont.prompt_ids + cont.token_ids
                 params = cont.params
