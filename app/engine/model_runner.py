@@ -20,7 +20,7 @@ from app.engine.request import Request
 from app.engine.sampler import Sampler
 from app.engine.scheduler import SchedulerOutput
 from app.engine.structured import token_masks
-from app.model.attention import AttentionMetadata, PrefillChunk
+from app.model.attention import AttentionMetadata, PrefillChunk, prefix_mask
 from app.model.flex_decode import FlexDecode
 from app.model.llama import LlamaModel
 
@@ -196,8 +196,7 @@ class ModelRunner:
             chunk = PrefillChunk(first, n, context, None, None)
             if start > 0:  # continues a cached prefix: attend through the block table
                 chunk.block_table = torch.tensor(table[: -(-context // bs)], dtype=torch.int64)
-                q_pos = torch.arange(start, context)[:, None]
-                chunk.mask = torch.arange(context)[None, :] <= q_pos  # (n, context)
+                chunk.mask = prefix_mask(start, n)
             meta.prefills.append(chunk)
             req = s.request
             if req.params.prompt_logprobs is not None:
@@ -287,8 +286,9 @@ def _move(meta: AttentionMetadata, device: torch.device, pinned: bool) -> None:
         )
         meta.decode_mask = _pinned(meta.decode_mask, pinned).to(device, non_blocking=True)
     for p in meta.prefills:
-        if p.block_table is not None and p.mask is not None:
+        if p.block_table is not None:
             p.block_table = _pinned(p.block_table, pinned).to(device, non_blocking=True)
+        if p.mask is not None:
             p.mask = _pinned(p.mask, pinned).to(device, non_blocking=True)
 
 

@@ -10,7 +10,12 @@ the prefill chunks, each a contiguous run of tokens of one sequence. Every layer
    attention needs no repeat of K/V;
 3. each prefill chunk attends on its own: a fresh prompt (nothing cached before it) uses
    its new K/V directly with a causal mask; a chunk that continues a cached prefix gathers
-   its context from the cache and uses a bottom-right-aligned causal mask.
+   its context from the cache. Then, when the chunk is longer than the prefix (a long
+   first message after a cached system prompt), the chunk's queries are padded in front
+   with zeros for the cached rows and the whole context attends as one causal square,
+   whose upper half the flash kernel skips: the same call, shapes and rounding as the
+   whole prompt computed without the cache. Otherwise (a follow-up after a long history)
+   the chunk's rows attend through a bottom-right-aligned causal mask.
 
 The masks and index tensors are built once per step (AttentionMetadata) and shared by all
 layers, so the Python work per layer does not grow with the number of decoding sequences.
@@ -41,7 +46,8 @@ class PrefillChunk:
     num_tokens: int
     context_len: int  # tokens attended to by the last query: cached + new
     block_table: torch.Tensor | None  # [num_blocks] int64; None when nothing was cached
-    mask: torch.Tensor | None  # [num_tokens, context_len] bool, True = attend
+    # [num_tokens, context_len] bool, True = attend; None for a causal square (prefix_mask)
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -56,6 +62,16 @@ class AttentionMetadata:
     # instead of the gathered tables and mask above. Always None on the CPU.
     decode_flex: PagedDecode | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def prefix_mask(cached: int, new: int) -> torch.Tensor | None:
+    """The mask of `new` query rows after `cached` tokens, bottom-right-aligned causal
+    (True = attend); None when the rows are cheaper as the whole context's causal square,
+    cached rows padded in: (cached + new)^2 / 2 scores against new * (cached + new)."""
+    if cached < new:
+        return None
+    q_pos = torch.arange(cached, cached + new)[:, None]
+    return torch.arange(cached + new)[None, :] <= q_pos  # (new, cached + new)
 
 
 def paged_attention(
@@ -92,15 +108,18 @@ def paged_attention(
         else:  # continues a cached prefix: gather the context, mask bottom-right causal
             ks = k_cache.index_select(0, p.block_table).view(-1, num_kv_heads, D)
             vs = v_cache.index_select(0, p.block_table).view(-1, num_kv_heads, D)
-            ks, vs = ks[: p.context_len], vs[: p.context_len]
-            o = F.scaled_dot_product_attention(
-                qs,
-                ks.transpose(0, 1)[None],
-                vs.transpose(0, 1)[None],
-                attn_mask=p.mask,
-                scale=scale,
-                enable_gqa=True,
-            )
+            ks = ks[: p.context_len].transpose(0, 1)[None]
+            vs = vs[: p.context_len].transpose(0, 1)[None]
+            if p.mask is None:  # the whole context's causal square; the cached rows dropped
+                cached = p.context_len - p.num_tokens
+                qs = F.pad(qs, (0, 0, cached, 0))
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+                )[:, :, cached:]
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True
+                )
         out[s:e] = o[0].transpose(0, 1)
     return out
 

@@ -64,6 +64,13 @@ def test_a_chunk_after_a_cached_prefix_attends_through_its_block_table():
     assert inp.logits_indices.tolist() == [3]
 
 
+def test_a_chunk_longer_than_its_cached_prefix_attends_as_a_causal_square():
+    chunk = scheduled("c", list(range(12)), 4, 8, [2, 3, 4])
+    (p,) = runner().prepare(SchedulerOutput([chunk])).meta.prefills
+    assert p.block_table.tolist() == [2, 3, 4] and p.context_len == 12
+    assert p.mask is None  # attention pads the 4 cached rows in and runs is_causal
+
+
 def test_a_one_token_chunk_short_of_the_end_is_a_prefill_without_logits():
     edge = scheduled("e", list(range(10)), 8, 1, [1, 2, 3])
     assert not edge.is_decode

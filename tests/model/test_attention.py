@@ -1,0 +1,48 @@
+"""Paged attention against the plain computation: a prompt chunk that continues a cached
+prefix gives, to the bit, what the whole prompt computed without the cache gives for the
+same rows (its causal square padded with the cached rows, or its masked rectangle)."""
+
+import pytest
+import torch
+
+from app.model.attention import AttentionMetadata, PrefillChunk, paged_attention, prefix_mask
+
+BLOCK, HKV, H, D = 16, 3, 9, 64
+
+
+def whole_and_chunk(cached: int, new: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(cached * 1000 + new)
+    total = cached + new
+    q = torch.randn(total, H, D, generator=g).to(dtype)
+    k = torch.randn(total, HKV, D, generator=g).to(dtype)
+    v = torch.randn(total, HKV, D, generator=g).to(dtype)
+    blocks = -(-total // BLOCK)
+    table = torch.randperm(blocks + 4, generator=g)[:blocks]  # blocks anywhere in the pool
+    slots = (table[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:total]
+
+    def cache():
+        return torch.zeros(blocks + 4, BLOCK, HKV, D, dtype=dtype)
+
+    # The whole prompt, nothing cached: its own K/V, one causal pass.
+    kc, vc = cache(), cache()
+    meta = AttentionMetadata(slots, prefills=[PrefillChunk(0, total, total, None, None)])
+    whole = paged_attention(q, k, v, kc, vc, meta, D**-0.5)[cached:]
+    # The prefix already in the cache, the rest as a chunk through the block table.
+    kc, vc = cache(), cache()
+    kc.view(-1, HKV, D)[slots[:cached]] = k[:cached]
+    vc.view(-1, HKV, D)[slots[:cached]] = v[:cached]
+    chunk = PrefillChunk(0, new, total, table, prefix_mask(cached, new))
+    meta = AttentionMetadata(slots[cached:], prefills=[chunk])
+    part = paged_attention(q[cached:], k[cached:], v[cached:], kc, vc, meta, D**-0.5)
+    return whole, part, chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "cached, new, square",
+    [(16, 700, True), (5, 300, True), (48, 49, True), (300, 40, False), (64, 64, False)],
+)
+def test_a_chunk_after_a_cached_prefix_equals_the_whole_prompt(cached, new, square, dtype):
+    whole, part, chunk = whole_and_chunk(cached, new, dtype)
+    assert (chunk.mask is None) == square
+    assert torch.equal(part, whole)
