@@ -179,7 +179,10 @@ class ModelRunner:
                 meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
                 lens = torch.tensor(context)
                 keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
-                meta.decode_mask = keep[:, None, None, :]
+                # Additive, in the cache's dtype: SDPA would turn a bool mask into this in
+                # every layer (two ops each, the same values, the same result).
+                mask = torch.zeros(keep.shape, dtype=self.kv_cache.tensor.dtype)
+                meta.decode_mask = mask.masked_fill_(~keep, float("-inf"))[:, None, None, :]
             logits_indices.extend(range(len(decodes)))
             sampling.extend(s.request for s in decodes)
             sample_rows.extend(range(len(decodes)))

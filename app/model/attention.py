@@ -57,7 +57,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     num_decodes: int = 0  # the first num_decodes tokens are decodes, one per sequence
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    # [num_decodes, 1, 1, max_blocks * block_size]: 0 where a decode attends, -inf past its
+    # context (a bool mask, True = attend, works too)
+    decode_mask: torch.Tensor | None = None
     # On CUDA: decodes attend through FlexAttention over the cache in place (flex_decode.py)
     # instead of the gathered tables and mask above. Always None on the CPU.
     decode_flex: PagedDecode | None = None

@@ -39,8 +39,10 @@ def test_decodes_come_first_and_only_sampling_rows_get_logits():
                                               25, 26, 27]  # fmt: skip
     assert inp.logits_indices.tolist() == [0, 6]  # the decode, the end of the fresh prompt
     assert [r.request_id for r in inp.sampling_requests] == ["d", "f"]
-    mask = inp.meta.decode_mask
-    assert mask.shape[-1] == 3 * BS and mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
+    mask = inp.meta.decode_mask  # additive: 0 = attend, -inf = past the context
+    assert mask.shape[-1] == 3 * BS and (mask[0, 0, 0] == 0).tolist() == [True] * 10 + [False] * 2
+    assert mask.dtype == torch.float32  # the cache's: SDPA adds it as it is
+    assert mask[0, 0, 0, -1] == float("-inf")
 
 
 def test_several_decodes_share_one_padded_masked_gather():
@@ -48,7 +50,7 @@ def test_several_decodes_share_one_padded_masked_gather():
     b = scheduled("b", list(range(5)), 4, 1, [2, 4])
     inp = runner().prepare(SchedulerOutput([a, b]))
     assert inp.meta.decode_block_tables.tolist() == [[3, 5, 7], [2, 4, 0]]
-    mask = inp.meta.decode_mask
+    mask = inp.meta.decode_mask == 0
     assert mask.shape[-1] == 3 * BS and mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
     assert mask[1, 0, 0].tolist() == [True] * 5 + [False] * 7
 
