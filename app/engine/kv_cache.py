@@ -44,6 +44,7 @@ class KVCache:
                 f"one block of {cfg.block_size} tokens takes {per_block} bytes for this model"
             )
         self.block_size = cfg.block_size
+        self.arch = arch  # the layout's heads: attention folds query heads by it
         # Zeros, not empty: padded block tables read the null block, and masked garbage
         # could be NaN, which survives a zero attention weight (0 * NaN = NaN).
         shape = (arch.num_layers, 2, self.num_blocks, cfg.block_size, arch.num_kv_heads)

@@ -85,6 +85,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.block_size = kv_cache.block_size
+        self.query_groups = kv_cache.arch.num_heads // kv_cache.arch.num_kv_heads
         self.device = kv_cache.tensor.device
         self.pin = self.device.type == "cuda"  # host -> device copies from pinned memory
         self.flex: FlexDecode | None = None
@@ -199,7 +200,7 @@ class ModelRunner:
             chunk = PrefillChunk(first, n, context, None, None)
             if start > 0:  # continues a cached prefix: attend through the block table
                 chunk.block_table = torch.tensor(table[: -(-context // bs)], dtype=torch.int64)
-                chunk.mask = prefix_mask(start, n)
+                chunk.mask = prefix_mask(start, n, self.query_groups, self.kv_cache.tensor.dtype)
             meta.prefills.append(chunk)
             req = s.request
             if req.params.prompt_logprobs is not None:

@@ -60,9 +60,12 @@ def test_a_chunk_after_a_cached_prefix_attends_through_its_block_table():
     inp = runner().prepare(SchedulerOutput([chunk]))
     (p,) = inp.meta.prefills
     assert p.block_table.tolist() == [2, 3, 4] and p.context_len == 12
-    # Bottom-right causal: query i (position 8 + i) sees positions 0 .. 8 + i.
+    # Bottom-right causal: query i (position 8 + i) sees positions 0 .. 8 + i; additive,
+    # once for each of the 2 query heads that share a K/V head (tiny: 4 heads, 2 K/V).
     expected = torch.arange(12)[None, :] <= torch.arange(8, 12)[:, None]
-    assert torch.equal(p.mask, expected)
+    assert p.mask.shape == (2 * 4, 12)
+    assert torch.equal(p.mask == 0, expected.repeat(2, 1))
+    assert torch.equal(p.mask != 0, p.mask == float("-inf"))
     assert inp.logits_indices.tolist() == [3]
 
 
