@@ -17,7 +17,8 @@ the prefill chunks, each a contiguous run of tokens of one sequence. Every layer
    whole prompt computed without the cache. Otherwise (a follow-up after a long history)
    the chunk's rows attend through a bottom-right-aligned causal mask, with the G query
    heads of each K/V head folded into one run of G x n rows as decodes do: 3 work items
-   of 3n rows instead of 9 of n, ~20% faster for a short follow-up. Either way the rows
+   of 3n rows instead of 9 of n, ~20% faster for a short follow-up (a long chunk, whose
+   folded mask would be large, keeps its heads as they are). Either way the rows
    round as in the whole prompt's pass, except for chunks of a row or few, for which the
    flash kernel takes another path (tests/model/test_attention.py).
 
@@ -50,8 +51,8 @@ class PrefillChunk:
     num_tokens: int
     context_len: int  # tokens attended to by the last query: cached + new
     block_table: torch.Tensor | None  # [num_blocks] int64; None when nothing was cached
-    # [groups * num_tokens, context_len], 0 = attend, -inf = not (prefix_mask); None for a
-    # causal square
+    # prefix_mask: [groups * num_tokens, context_len] additive (folded heads), or
+    # [num_tokens, context_len] bool for a long chunk; None for a causal square
     mask: torch.Tensor | None
 
 
@@ -71,18 +72,27 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+# A folded mask is built once a step in the cache's dtype: up to this many elements (8 MB
+# in bf16). A long chunk after a long prefix keeps an unfolded bool mask instead, 1 byte
+# per query row and key, as large chunks gain nothing from folding.
+FOLD_MAX_ELEMENTS = 4 << 20
+
+
 def prefix_mask(
     cached: int, new: int, groups: int = 1, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor | None:
-    """The additive mask of `new` query rows after `cached` tokens, bottom-right-aligned
-    causal (0 = attend, -inf = not), its rows repeated for each of the `groups` query
-    heads that share a K/V head: [groups * new, cached + new]. None when the rows are
-    cheaper as the whole context's causal square, cached rows padded in: (cached + new)^2
-    / 2 scores against new * (cached + new)."""
+    """The mask of `new` query rows after `cached` tokens, bottom-right-aligned causal.
+    For a short chunk, additive (0 = attend, -inf = not) with its rows repeated for each
+    of the `groups` query heads that share a K/V head: [groups * new, cached + new], for
+    the folded call. For a long one, bool (True = attend): [new, cached + new]. None when
+    the rows are cheaper as the whole context's causal square, cached rows padded in:
+    (cached + new)^2 / 2 scores against new * (cached + new)."""
     if cached < new:
         return None
     q_pos = torch.arange(cached, cached + new)[:, None]
     keep = torch.arange(cached + new)[None, :] <= q_pos  # (new, cached + new)
+    if groups * keep.numel() > FOLD_MAX_ELEMENTS:
+        return keep
     mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
     return mask.repeat(groups, 1)
 
@@ -129,6 +139,10 @@ def paged_attention(
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
                 )[:, :, cached:]
+            elif p.mask.dtype == torch.bool:  # a long chunk: the query heads as they are
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=True
+                )
             else:  # query head h = kv * G + g: (1, H, n, D) -> (1, Hkv, G * n, D)
                 folded = qs.reshape(1, num_kv_heads, -1, D)
                 o = F.scaled_dot_product_attention(folded, ks, vs, attn_mask=p.mask, scale=scale)

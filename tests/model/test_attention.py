@@ -12,7 +12,13 @@ probed, all of them chunks of one to three rows).
 import pytest
 import torch
 
-from app.model.attention import AttentionMetadata, PrefillChunk, paged_attention, prefix_mask
+from app.model.attention import (
+    FOLD_MAX_ELEMENTS,
+    AttentionMetadata,
+    PrefillChunk,
+    paged_attention,
+    prefix_mask,
+)
 
 BLOCK, HKV, H, D = 16, 3, 9, 64
 
@@ -56,9 +62,12 @@ def whole_and_chunk(cached: int, new: int, dtype: torch.dtype):
         (1488, 19, False),
         (700, 3, False),
         (2000, 300, False),
+        (3000, 600, False),  # past FOLD_MAX_ELEMENTS: a bool mask, heads unfolded
     ],
 )
 def test_a_chunk_after_a_cached_prefix_equals_the_whole_prompt(cached, new, square, dtype):
     whole, part, chunk = whole_and_chunk(cached, new, dtype)
     assert (chunk.mask is None) == square
+    folded = H // HKV * new * (cached + new) <= FOLD_MAX_ELEMENTS
+    assert square or (chunk.mask.dtype != torch.bool) == folded
     assert torch.equal(part, whole)
