@@ -31,7 +31,7 @@ QUESTIONS = [f"Write a few sentences about the number {n}." for n in range(TURNS
 
 # The exact reference format. A turn taken up after the kill replays its sent tokens one
 # decode step each (app.server.turn_runner), which removes the prefill-against-decode
-# difference; but on the default format (bf16 activations) 6 runs of 14 saw one of the
+# difference; but on the default format (bf16 activations) 6 runs of 28 saw one of the
 # 16 replies take another last token at a near tie, for a cause not pinned down (README,
 # "Determinism"). fp32 holds.
 EXACT = ModelConfig(quantization="none", dtype="float32")
