@@ -40,7 +40,7 @@ from app.engine.outputs import (
     ReplicaStats,
     RequestOutput,
 )
-from app.engine.request import REPLAY_MAX_TOKENS, SamplingParams
+from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -300,18 +300,14 @@ def _resumed(
     ids: list[int], params: SamplingParams, sent: list[int]
 ) -> tuple[list[int], SamplingParams, int]:
     """What a request cut after `sent` tokens is sent to another replica as: its prompt,
-    its params, and how many tokens of its output its prompt carries. Up to
-    REPLAY_MAX_TOKENS the replica replays them (exact in any dtype, outputs only after
-    them); past it, or where replay does not apply (n > 1, logprobs), they become prompt
-    and the seed's random stream moves on by them."""
+    its params, and how many tokens of its output its prompt carries. Where it can
+    (SamplingParams.can_replay) the replica replays them and outputs only what follows;
+    otherwise they become prompt and the seed's random stream moves on by them."""
     if not sent:
         return ids, params, 0
-    replayable = params.n == 1 and params.logprobs is None and params.prompt_logprobs is None
-    if replayable and len(sent) <= REPLAY_MAX_TOKENS:
-        return ids, dataclasses.replace(params, replay_ids=tuple(sent)), 0
-    left = None if params.max_tokens is None else params.max_tokens - len(sent)
-    offset = params.seed_offset + len(sent)
-    return ids + sent, dataclasses.replace(params, max_tokens=left, seed_offset=offset), len(sent)
+    if params.can_replay(len(sent)):
+        return ids, params.replaying(sent), 0
+    return ids + sent, params.after(len(sent)), len(sent)
 
 
 def _continued(

@@ -20,7 +20,7 @@ from app.engine.request import Request
 from app.engine.sampler import Sampler
 from app.engine.scheduler import SchedulerOutput
 from app.engine.structured import token_masks
-from app.model.attention import AttentionMetadata, PrefillChunk, prefix_mask
+from app.model.attention import AttentionMetadata, PrefillChunk, additive_mask, prefix_mask
 from app.model.flex_decode import FlexDecode
 from app.model.llama import LlamaModel
 
@@ -180,10 +180,8 @@ class ModelRunner:
                 meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
                 lens = torch.tensor(context)
                 keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
-                # Additive, in the cache's dtype: SDPA would turn a bool mask into this in
-                # every layer (two ops each, the same values, the same result).
-                mask = torch.zeros(keep.shape, dtype=self.kv_cache.tensor.dtype)
-                meta.decode_mask = mask.masked_fill_(~keep, float("-inf"))[:, None, None, :]
+                mask = additive_mask(keep, self.kv_cache.tensor.dtype)  # once, not per layer
+                meta.decode_mask = mask[:, None, None, :]
             logits_indices.extend(range(len(decodes)))
             sampling.extend(s.request for s in decodes)
             sample_rows.extend(range(len(decodes)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -96,10 +97,11 @@ class SamplingParams:
     # output (a turn resumed after a restart) samples on from where that one stopped.
     seed_offset: int = 0
     # Output tokens this request re-derives before it generates (a turn resumed after a
-    # restart or a lost replica): each is fed back by a decode step of its own, exactly as
-    # it was first decoded, so that the K/V (in any dtype) and the seed's random stream end
-    # where an uninterrupted run's did. The sampler still draws for them, its pick is
-    # replaced, and they produce no output: the caller has them. Part of max_tokens.
+    # restart or a lost replica): each is fed back by a decode step of its own, as it was
+    # first decoded, so that the K/V and the seed's random stream end where an
+    # uninterrupted run's did (README, "Determinism", says how closely in bf16). The
+    # sampler still draws for them, its pick is replaced, and they produce no output: the
+    # caller has them. Part of max_tokens.
     replay_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -219,6 +221,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def can_replay(self, num_tokens: int) -> bool:
+        """Whether a request taking this one up after `num_tokens` output tokens replays
+        them (`replaying`) rather than carrying them in its prompt (`after`)."""
+        no_logprobs = self.logprobs is None and self.prompt_logprobs is None
+        return self.n == 1 and no_logprobs and num_tokens <= REPLAY_MAX_TOKENS
+
+    def replaying(self, token_ids: Sequence[int]) -> SamplingParams:
+        """These parameters for a request that takes this one up by replaying its output
+        `token_ids`: its prompt stays this one's."""
+        return replace(self, replay_ids=tuple(token_ids))
+
+    def after(self, num_tokens: int) -> SamplingParams:
+        """These parameters for a request whose prompt carries `num_tokens` of this one's
+        output: max_tokens shrinks by them and the seed's random stream moves on past them.
+        Raises BadParameter when that leaves nothing to generate."""
+        left = None if self.max_tokens is None else self.max_tokens - num_tokens
+        return replace(self, max_tokens=left, seed_offset=self.seed_offset + num_tokens)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of n: its own seed (seed + index). The prompt's

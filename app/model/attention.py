@@ -93,8 +93,13 @@ def prefix_mask(
     keep = torch.arange(cached + new)[None, :] <= q_pos  # (new, cached + new)
     if groups * keep.numel() > FOLD_MAX_ELEMENTS:
         return keep
-    mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
-    return mask.repeat(groups, 1)
+    return additive_mask(keep, dtype).repeat(groups, 1)
+
+
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as SDPA would turn it into in every call: 0 where
+    True, -inf where False. Built once a step, the same values give the same result."""
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
 
 
 def paged_attention(

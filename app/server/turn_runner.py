@@ -6,13 +6,14 @@ A turn runs as a task of its own, apart from any socket: its frames go to its Tu
 recorded before it is shown, so a turn can be taken up again by the next process.
 
 Taking a turn up again (recovery): a turn cut within its first REPLAY_MAX_TOKENS tokens
-is replayed. The new request has the old prompt and replays the recorded output
-(SamplingParams.replay_ids): each recorded token is fed back by a decode step of its own,
-as it was first decoded, and only what follows reaches the stream. Its K/V, its sampler's
-random stream, its penalties and its detokenizer then stand exactly where the
-uninterrupted run's did, in any dtype: greedy and seeded replies go on token for token.
-(bench/README.md, "Determinism": continuing from one prefill of the same tokens instead
-parted from the uninterrupted reply in 10 of 24 greedy cuts with bf16 activations.)
+(app.engine.request, SamplingParams.can_replay) is replayed. The new request has the
+old prompt and replays the recorded output (SamplingParams.replay_ids): each recorded
+token is fed back by a decode step of its own, as it was first decoded, and only what
+follows reaches the stream. Its K/V, its sampler's
+random stream, its penalties and its detokenizer then stand where the uninterrupted run's
+did: in fp32 greedy and seeded replies go on token for token, and with bf16 activations
+far closer than from a prefill (README, "Determinism": 0 against 11 of 32 greedy cuts
+parted, though a 16-turn restart test still saw a late near tie flip in some runs).
 
 A longer output would cost as many decode steps, so past REPLAY_MAX_TOKENS the new
 request's prompt is the old prompt plus the output so far, computed in one prefill (the
@@ -37,7 +38,7 @@ from dataclasses import dataclass, replace
 
 from app.chat.sessions import conversation_key
 from app.engine.outputs import RequestOutput
-from app.engine.request import REPLAY_MAX_TOKENS, FinishReason, SamplingParams
+from app.engine.request import FinishReason, SamplingParams
 from app.server import protocol as p
 from app.server.chat_service import ChatService, Turn
 from app.server.errors import ENGINE_ERRORS, ws_error
@@ -76,12 +77,12 @@ def continuation(tokenizer, turn: RecoveredTurn) -> Continuation | None:
     ids = turn.token_ids
     params = turn.record.params
     start = turn.start or (len(turn.record.prompt_ids), 0)
-    if len(ids) <= REPLAY_MAX_TOKENS:
+    if params.can_replay(len(ids)):
         if params.max_tokens is not None and len(ids) >= params.max_tokens:
             return None
         # The recorded ids are exactly those whose text was recorded (a frame's ids are
         # written with its text): replayed, they leave the detokenizer where it was.
-        params = replace(params, replay_ids=tuple(ids))
+        params = params.replaying(ids)
         return Continuation(turn.entry, turn.record.prompt_ids, ids, text, 0, params, start)
     skip_special = turn.record.params.skip_special_tokens
     keep = len(ids)
@@ -93,12 +94,10 @@ def continuation(tokenizer, turn: RecoveredTurn) -> Continuation | None:
         keep -= 1
     if keep == 0:
         decoded = ""
-    max_tokens = None if params.max_tokens is None else params.max_tokens - keep
-    if max_tokens is not None and max_tokens < 1:
+    if params.max_tokens is not None and params.max_tokens - keep < 1:
         return None
-    params = replace(params, max_tokens=max_tokens, seed_offset=params.seed_offset + keep)
     return Continuation(turn.entry, turn.record.prompt_ids, ids[:keep], text,
-                        len(text) - len(decoded), params, start)  # fmt: skip
+                        len(text) - len(decoded), params.after(keep), start)  # fmt: skip
 
 
 class TurnRunner:

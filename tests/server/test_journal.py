@@ -13,7 +13,6 @@ from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import LLMEngine
 from app.engine.request import SamplingParams
-from app.server import turn_runner
 from app.server.app import ServerConfig, create_app
 from app.server.journal import GROUP, Journal, JournalConfig
 from app.server.journal_records import TurnRecord
@@ -24,8 +23,8 @@ from tests.server.test_ws_fake import text_of, until_terminal
 PARAMS = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
 
 
-# A recovered turn replays its recorded tokens (turn_runner.REPLAY_MAX_TOKENS), which goes
-# on to the token in any format: the default is tested. Past that bound it recomputes them
+# A recovered turn replays its recorded tokens (app.engine.request.REPLAY_MAX_TOKENS): this
+# one turn goes on to the token on the default format. Past that bound it recomputes them
 # in one prefill, exact in fp32 only: that path runs the fp32 reference.
 DEFAULT = ModelConfig()
 EXACT = ModelConfig(quantization="none", dtype="float32")
@@ -35,7 +34,7 @@ EXACT = ModelConfig(quantization="none", dtype="float32")
 def model(request, monkeypatch):
     """How a recovered turn takes up its output, and the format where that is exact."""
     if request.param == "prefill":
-        monkeypatch.setattr(turn_runner, "REPLAY_MAX_TOKENS", 0)
+        monkeypatch.setattr("app.engine.request.REPLAY_MAX_TOKENS", 0)
         return EXACT
     return DEFAULT
 
