@@ -72,6 +72,11 @@ class ModelConfig:
     # loaded. int4 passes the quality gate that int8 misses (bench/README.md). The exact
     # reference is quantization="none", dtype="float32".
     quantization: str = "auto"
+    # Parley's fused CPU kernels for the layers' small ops (app/model/kernels), compiled
+    # once per machine: ~1.25x one conversation's decode speed. Off by default: with bf16
+    # activations they cost the int4 quality gate a greedy reply (15 of 20 agree with
+    # fp32, against 17 with PyTorch's ops; bench/README.md, "Parley's CPU kernels").
+    cpu_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

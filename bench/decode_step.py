@@ -1,6 +1,7 @@
 """Where one request's decode step goes: weight matmuls against everything else.
 
     python bench/decode_step.py [--context 40] [--steps 60] [--quantization auto --dtype auto]
+                                [--cpu-kernels on|off]
 
 One request decodes greedily in the engine, alone. The median step time is measured
 without a profiler; then torch.profiler attributes the weight matmuls' time (the int4
@@ -44,10 +45,13 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-kernels", choices=("on", "off"), default="off")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = ModelConfig(quantization=args.quantization, dtype=args.dtype)
+    model = ModelConfig(
+        quantization=args.quantization, dtype=args.dtype, cpu_kernels=args.cpu_kernels == "on"
+    )
     llm = LLM(config=EngineConfig(model=model, cache=CacheConfig(512 << 20)))
     engine = llm.engine
     words = " ".join(["lighthouse"] * max(args.context - 20, 1))
@@ -67,7 +71,11 @@ def main() -> None:
             engine.step()
     matmul_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(MATMULS))
     matmul = matmul_us / 1e6 / args.steps
-    print(f"{engine.weight_format}; context {len(ids)} tokens, {torch.get_num_threads()} threads")
+    ops = "Parley's CPU kernels" if engine.model.ops.fused else "PyTorch's ops"
+    print(
+        f"{engine.weight_format}; {ops}; context {len(ids)} tokens, "
+        f"{torch.get_num_threads()} threads"
+    )
     print(
         f"  decode step      {step * 1000:6.2f} ms (median of {args.steps}, {1 / step:.0f} tok/s)"
     )

@@ -91,6 +91,8 @@ class ModelRunner:
         self.flex: FlexDecode | None = None
         self.graphs: DecodeGraphs | None = None
         self.max_flex_rows = max_num_seqs
+        # Parley's CPU kernels (app/model/kernels): decodes attend over the cache in place
+        self.fused = bool(getattr(getattr(model, "ops", None), "fused", False))
         if self.device.type == "cuda":
             self.flex = _flex_decode(kv_cache, max_num_seqs, self.device)
         if self.flex is not None and cuda_graphs:
@@ -98,7 +100,11 @@ class ModelRunner:
         log.info(
             "model runner on %s: decode attention %s, CUDA graphs %s",
             self.device,
-            "FlexAttention over the cache" if self.flex else "gathered blocks + SDPA",
+            "FlexAttention over the cache"
+            if self.flex
+            else "Parley's CPU kernel over the cache"
+            if self.fused
+            else "gathered blocks + SDPA",
             f"for batch sizes {self.graphs.buckets}" if self.graphs else "off",
         )
 
@@ -176,7 +182,10 @@ class ModelRunner:
                     self._upload(tables, torch.int32), self._upload(context, torch.int32)
                 )
                 meta.decode_flex = self.flex.step(len(decodes))
-            else:  # the CPU path
+            elif self.fused:  # Parley's CPU kernel reads the blocks in place
+                meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
+                meta.decode_lens = torch.tensor(context, dtype=torch.int64)
+            else:  # gathered blocks + SDPA
                 meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
                 lens = torch.tensor(context)
                 keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)

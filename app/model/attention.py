@@ -66,6 +66,9 @@ class AttentionMetadata:
     # [num_decodes, 1, 1, max_blocks * block_size]: 0 where a decode attends, -inf past its
     # context (a bool mask, True = attend, works too)
     decode_mask: torch.Tensor | None = None
+    # [num_decodes] int64, instead of the mask where Parley's CPU kernels are loaded: decodes
+    # attend over the cache in place (kernels/cpu_kernels.cpp, paged_decode)
+    decode_lens: torch.Tensor | None = None
     # On CUDA: decodes attend through FlexAttention over the cache in place (flex_decode.py)
     # instead of the gathered tables and mask above. Always None on the CPU.
     decode_flex: PagedDecode | None = None
@@ -102,6 +105,19 @@ def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
 
 
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D], rotary applied
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Write the step's K/V rows into their cache slots."""
+    num_kv_heads, D = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, D).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, D).index_copy_(0, slot_mapping, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D], rotary applied
     k: torch.Tensor,  # [T, Hkv, D], rotary applied
@@ -112,11 +128,22 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Store k/v in the cache, then attend. Returns [T, H, D]."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return attend(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def attend(
+    q: torch.Tensor,  # [T, H, D], rotary applied
+    k: torch.Tensor,  # [T, Hkv, D], rotary applied
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the step's K/V stored
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attend, the step's K/V already in the cache. Returns [T, H, D]."""
     T, _, D = q.shape
     num_kv_heads = k.shape[1]
-    k_cache.view(-1, num_kv_heads, D).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, D).index_copy_(0, meta.slot_mapping, v)
-
     n = meta.num_decodes
     if n == T and not meta.prefills:  # decode-only step: no copy into a separate output
         return _decode(q, k_cache, v_cache, meta, scale)
@@ -166,6 +193,10 @@ def _decode(
     if meta.decode_flex is not None:
         return meta.decode_flex(q, k_cache, v_cache, scale)
     assert meta.decode_block_tables is not None
+    if meta.decode_lens is not None:  # Parley's CPU kernel, over the cache in place
+        return torch.ops.parley.paged_decode(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale
+        )
     B, H, D = q.shape
     num_kv_heads = k_cache.shape[2]
     tables = meta.decode_block_tables

@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from app.config import ModelConfig
-from app.model import cpu
-from app.model.llama import LlamaModel
+from app.model import cpu, kernels
+from app.model.llama import FusedCpuOps, LlamaModel
 from app.model.loader import LoadedModel, read_tensors, write_cache_dir
 from app.model.quant.int4 import (
     int4_available,
@@ -144,7 +144,25 @@ def build_model(
         model = LlamaModel.from_weights(loaded.arch, weights, max_positions).to(device)
         if torch.device(device).type == "cpu":
             model.pack_for_cpu()
+    if torch.device(device).type == "cpu":
+        _use_cpu_kernels(model, cfg, fmt)
     return BuiltModel(model, fmt, weight_bytes(model))
+
+
+def _use_cpu_kernels(model: LlamaModel, cfg: ModelConfig, fmt: WeightFormat) -> None:
+    """Parley's fused kernels for the layers' small ops, where they build (see
+    app/model/kernels); PyTorch's ops otherwise, with the reason in the log."""
+    if not cfg.cpu_kernels:
+        why = "off (--cpu-kernels on to use them)"
+    elif fmt.dtype not in ("float32", "bfloat16"):
+        why = f"not for {fmt.dtype}"
+    else:
+        why = kernels.load(cfg.cache_dir)
+    if why is None:
+        model.use_ops(FusedCpuOps())
+        log.info("layer ops: Parley's CPU kernels (norms, rotary + K/V write, decode attention)")
+    else:
+        log.info("layer ops: PyTorch's; Parley's CPU kernels %s", why)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.model.arch import ArchConfig
-from app.model.attention import AttentionMetadata, PrefillChunk, paged_attention
+from app.model.attention import AttentionMetadata, PrefillChunk, attend, store_kv
 from app.model.packed_linear import pack_linears, pack_weight, packable, packing_available
 
 
@@ -95,6 +95,72 @@ class Rotary(nn.Module):
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+class TorchOps:
+    """A layer's small ops as PyTorch ops: the reference, on any device.
+
+    Three seams, after vLLM's fused_add_rms_norm and its rotary + cache-write kernels:
+    `norm` and `add_norm` (the residual stream's add fused into the norm that reads it),
+    and `rope_store` (q and k rotated, k and v written to their cache slots). `rope`
+    prepares, once a step, what `rope_store` needs of the positions."""
+
+    fused = False
+
+    def rope(self, rotary: Rotary, positions: torch.Tensor) -> object:
+        return rotary.at(positions)
+
+    def norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x)."""
+        residual = residual + x
+        return norm(residual), residual
+
+    def rope_store(
+        self, qkv: torch.Tensor, rope: object, kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata, arch: ArchConfig,
+    ) -> torch.Tensor:  # fmt: skip
+        """q and k rotated, (T, H + Hkv, D); k and v stored in the cache."""
+        T, D = qkv.shape[0], arch.head_dim
+        # Rotate q and k together: they are adjacent in the fused projection.
+        qk = Rotary.rotate(qkv[:, : arch.q_size + arch.kv_size].view(T, -1, D), rope)
+        v = qkv[:, arch.q_size + arch.kv_size :].view(T, arch.num_kv_heads, D)
+        store_kv(qk[:, arch.num_heads :], v, kv[0], kv[1], meta.slot_mapping)
+        return qk
+
+
+class FusedCpuOps(TorchOps):
+    """The same ops as Parley's CPU kernels (app/model/kernels): one call each instead of
+    2-11 tensor ops, rounding as they do but for the order of the norm's sum (bf16: the
+    same bits in all but ~1 in 10^5 values; fp32: within 2 ulp). Decode attention reads
+    the cache in place too (AttentionMetadata.decode_lens)."""
+
+    fused = True
+
+    def rope(self, rotary: Rotary, positions: torch.Tensor) -> object:
+        return rotary.cos, rotary.sin, positions
+
+    def norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return torch.ops.parley.rms_norm(x, norm.weight, norm.eps)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.parley.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+    def rope_store(
+        self, qkv: torch.Tensor, rope: object, kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata, arch: ArchConfig,
+    ) -> torch.Tensor:  # fmt: skip
+        cos, sin, positions = rope  # type: ignore[misc]
+        return torch.ops.parley.rope_store(
+            qkv, cos, sin, positions, meta.slot_mapping, kv[0], kv[1],
+            arch.num_heads, arch.num_kv_heads,
+        )  # fmt: skip
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
@@ -108,25 +174,32 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.scale = arch.head_dim**-0.5
+        self.ops = TorchOps()
 
     def forward(
         self,
-        h: torch.Tensor,  # (T, hidden)
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # Rotary.at(positions)
+        h: torch.Tensor,  # (T, hidden): the previous layer's output, or the embeddings
+        residual: torch.Tensor | None,  # (T, hidden): the stream h adds to; None at layer 0
+        rope: object,  # ops.rope(...) of the step's positions
         kv: tuple[torch.Tensor, torch.Tensor],  # each (num_blocks, block_size, Hkv, D)
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        a = self.arch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream it adds to): the sum is left
+        to the next norm, which does it in the same pass."""
+        a, ops = self.arch, self.ops
         T = h.shape[0]
-        qkv = self.qkv(self.input_norm(h))  # (T, (H + 2 Hkv) * D)
-        # Rotate q and k together: they are adjacent in the fused projection.
-        qk = Rotary.rotate(qkv[:, : a.q_size + a.kv_size].view(T, -1, a.head_dim), cos_sin)
+        if residual is None:
+            x, residual = ops.norm(h, self.input_norm), h
+        else:
+            x, residual = ops.add_norm(h, residual, self.input_norm)
+        qkv = self.qkv(x)  # (T, (H + 2 Hkv) * D)
+        qk = ops.rope_store(qkv, rope, kv, meta, a)
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         v = qkv[:, a.q_size + a.kv_size :].view(T, a.num_kv_heads, a.head_dim)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, H, D)
-        h = h + self.o_proj(o.view(T, a.q_size))
-        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        o = attend(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, H, D)
+        x, residual = ops.add_norm(self.o_proj(o.view(T, a.q_size)), residual, self.post_norm)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up), residual
 
 
 class LlamaModel(nn.Module):
@@ -147,6 +220,13 @@ class LlamaModel(nn.Module):
         )
         self.rotary = Rotary(arch, max_positions)
         self.packed_lm_head: nn.Module | None = None
+        self.ops: TorchOps = TorchOps()
+
+    def use_ops(self, ops: TorchOps) -> None:
+        """Run every layer's small ops as `ops` (FusedCpuOps once the kernels are loaded)."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.ops = ops
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -176,11 +256,11 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # (S,) rows of the flat batch that sample
     ) -> torch.Tensor:
         """Returns logits (S, vocab)."""
-        h = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.at(positions)
+        h, residual = self.embed_tokens(input_ids), None
+        rope = self.ops.rope(self.rotary, positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos_sin, kv, meta)
-        h = self.norm(h[logits_indices])
+            h, residual = layer(h, residual, rope, kv, meta)
+        h = self.ops.norm((residual + h)[logits_indices], self.norm)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h)
         return F.linear(h, self.lm_head_weight).float()  # the sampler works in fp32

@@ -1,0 +1,100 @@
+"""Parley's fused CPU kernels (cpu_kernels.cpp), compiled once per machine and loaded as
+`torch.ops.parley.*`.
+
+A decode step at one request is ~40 small tensor ops a layer, each a few microseconds of
+dispatch for a few thousand multiply-adds; the kernels here do a layer's norms, rotary,
+K/V write and decode attention in four calls (app/model/ops.py says which replaces what).
+
+The source is compiled by torch.utils.cpp_extension (g++ and ninja) with `-march=native`,
+so the machine's vector width is the compiler's to use: AVX-512 here, AVX2 on an older
+CPU, from the same portable C++. The build is cached under the model cache, keyed by the
+source, torch's and Python's versions and this CPU's flags: a machine compiles it once
+(~15 s on 2 cores), later starts load it in milliseconds. Where there is no compiler, or
+the build fails, the model runs PyTorch's ops instead and the start-up log says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from app.model import cpu
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# -ffp-contract=off: no fused multiply-adds the C++ does not spell out, so that products and
+# sums round as PyTorch's separate ops round them.
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+_loaded: str | None = None  # the build key loaded into this process, if any
+
+
+def build_key(march: str = "native") -> str:
+    """What a build depends on: the source, torch, Python, the target and this CPU."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {march} {CFLAGS}".encode())
+    h.update(" ".join(sorted(cpu.cpu_flags())).encode())
+    return h.hexdigest()[:16]
+
+
+def load(cache_dir: Path, march: str = "native") -> str | None:
+    """Compile (once) and load the kernels; None when they are loaded, else why not.
+
+    One process holds one build: `torch.ops.parley` is a single namespace. The build
+    directory is locked while it compiles, so processes starting together build it once."""
+    global _loaded
+    key = build_key(march)
+    if _loaded is not None:
+        return None if _loaded == key else f"another build ({_loaded}) is loaded"
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    build_dir = Path(cache_dir) / "kernels" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build_dir.glob("*.so"))
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name=f"parley_kernels_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=[*CFLAGS, f"-march={march}"],
+            # The libgomp torch has loaded (same soname): one OpenMP pool, not two.
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        return f"the kernels did not build ({reason[:200]})"
+    _loaded = key
+    if fresh:
+        log.info(
+            "compiled Parley's CPU kernels in %.1f s (once for this CPU; cached in %s)",
+            time.perf_counter() - start,
+            build_dir,
+        )
+    return None
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the PyPI package's binary may not be on it
+    (a virtual environment that is not activated)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def loaded() -> bool:
+    return _loaded is not None

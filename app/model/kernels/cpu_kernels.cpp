@@ -1,0 +1,404 @@
+// Parley's fused CPU kernels for the layer's small ops (app/model/kernels/__init__.py builds
+// and loads this file). Each replaces a run of PyTorch ops whose cost at a decode step is
+// their count, not their arithmetic: at one request a layer's norm, rotary, K/V write and
+// attention were ~25 tensor ops of 1-13 us each for a few thousand multiply-adds.
+//
+// Rounding follows the ops they replace: every value a PyTorch op would store in the
+// model's dtype (bf16) is rounded to it here too, so a fused result equals the op-by-op one
+// except where a float sum is taken in another order (the norm's sum of squares, the
+// attention's dot products). Every kernel computes a row, a head or a block of keys on its
+// own, never depending on what else is in the batch: a sequence gets the same bits alone or
+// batched.
+//
+// Parallel loops use ATen's (OpenMP) pool; the extension links the libgomp that torch has
+// already loaded, so there is one pool of threads, not two.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // partial sums kept apart, so that sums vectorize without -ffast-math
+
+// The sum of kLanes partial sums as a tree (8 + 8, 4 + 4, ...): vector adds, where a running
+// sum would be a chain of 15 dependent scalar adds.
+inline float sum_lanes(float* lanes) {
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  return lanes[0];
+}
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// A float as the model's dtype stores it: rounded to nearest even for bf16, as is for fp32.
+template <typename T>
+inline float stored(float x) {
+  return widen(static_cast<T>(x));
+}
+
+// exp(x) for x <= 0 (softmax arguments), written so that loops over it vectorize:
+// 2^n * p(r) with r in [-ln2/2, ln2/2] and Cephes' degree-7 polynomial for expf; within
+// ~2 ulp of expf. Arguments below -87 are taken as -87 (exp ~1e-38, never a denormal).
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm, as F.rms_norm computes it (torch 2.13): in fp32, x * rsqrt(mean(x^2) + eps) *
+// weight, rounded to the dtype once.
+
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = widen(x[i + l]);
+      lanes[l] += v * v;
+    }
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += widen(x[i]) * widen(x[i]);
+  const float sum = sum_lanes(lanes);
+  const float r = std::pow(sum / static_cast<float>(n) + eps, -0.5f);  // as torch.rsqrt
+  for (int64_t j = 0; j < n; ++j)
+    out[j] = static_cast<T>(widen(x[j]) * r * widen(w[j]));
+}
+
+template <typename T>
+void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_row(x + r * n, w, out + r * n, n, eps);
+  });
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected a contiguous (rows, hidden) tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "the norm's weight must be (hidden,) in the activations' dtype");
+  TORCH_CHECK(w.is_contiguous(), "the norm's weight must be contiguous");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_rows(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+             x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (rms_norm(x + residual), x + residual): the residual stream's add fused into the norm
+// that reads it, as vLLM's fused_add_rms_norm. The sum is rounded to the dtype, as the add
+// alone would store it, before it is normed.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "the residual must match x");
+  auto sum = at::empty_like(x);
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const int64_t rows = x.size(0), n = x.size(1);
+    const scalar_t* a = x.data_ptr<scalar_t>();
+    const scalar_t* b = residual.data_ptr<scalar_t>();
+    scalar_t* s = sum.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t j = 0; j < n; ++j)
+          s[r * n + j] = static_cast<scalar_t>(widen(a[r * n + j]) + widen(b[r * n + j]));
+        rms_row(s + r * n, wp, o + r * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
+}
+
+// ---------------------------------------------------------------------------------------
+// Rotary embedding of q and k, and the step's K/V written into the paged cache.
+//
+// qkv: (T, (H + 2 Hkv) D), the fused projection's output. cos, sin: (P, D) tables with the
+// rotate-half sign folded in (llama.py's Rotary): x' = x * cos + roll(x, D/2) * sin, each
+// product and the sum rounded to the dtype as the three tensor ops would. Returns q and k
+// rotated, (T, H + Hkv, D); k and v also go to their cache slots.
+
+template <typename T>
+void rope_store_impl(const T* qkv, const T* cos, const T* sin, const int64_t* positions,
+                     const int64_t* slots, T* k_cache, T* v_cache, T* out, int64_t tokens,
+                     int64_t heads, int64_t kv_heads, int64_t D) {
+  const int64_t width = (heads + 2 * kv_heads) * D, half = D / 2;
+  const int64_t rotated = heads + kv_heads;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + positions[t] * D;
+      const T* s = sin + positions[t] * D;
+      const T* row = qkv + t * width;
+      T* o = out + t * rotated * D;
+      for (int64_t h = 0; h < rotated; ++h) {
+        const T* x = row + h * D;
+        T* y = o + h * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float a = stored<T>(widen(x[i]) * widen(c[i]));
+          const float b = stored<T>(widen(x[i < half ? i + half : i - half]) * widen(s[i]));
+          y[i] = static_cast<T>(a + b);
+        }
+      }
+      const int64_t slot = slots[t];
+      std::memcpy(k_cache + slot * kv_heads * D, o + heads * D, kv_heads * D * sizeof(T));
+      std::memcpy(v_cache + slot * kv_heads * D, row + rotated * D, kv_heads * D * sizeof(T));
+    }
+  });
+}
+
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& positions, const at::Tensor& slots, at::Tensor k_cache,
+                      at::Tensor v_cache, int64_t heads, int64_t kv_heads) {
+  const int64_t D = cos.size(1), T = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.stride(0) == qkv.size(1),
+              "qkv must be a contiguous (tokens, width) tensor");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D, "qkv's width does not match the heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
+              "cos and sin must be contiguous (positions, head_dim) tables");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.size(-1) == D && k_cache.size(-2) == kv_heads, "cache layout mismatch");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                  positions.numel() == T && slots.numel() == T,
+              "positions and slots must be int64, one per token");
+  for (const auto& t : {cos, sin, k_cache, v_cache})
+    TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "tables and caches must be in qkv's dtype");
+  auto pc = positions.contiguous();
+  auto sc = slots.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.numel() / (kv_heads * D);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "position ", pp[t], " is past the tables");
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
+  }
+  auto out = at::empty({T, heads + kv_heads, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store", [&] {
+    rope_store_impl(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                    pp, sp, k_cache.data_ptr<scalar_t>(),
+                    v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, heads, kv_heads,
+                    D);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode attention over the paged cache in place: no gathered copy, no mask.
+//
+// q: (B, H, D), one token per sequence; caches (num_blocks, block_size, Hkv, D); tables
+// (B, max_blocks) int64; lens (B,) int64, the keys each sequence attends to. The G query
+// heads that share a K/V head are computed together, so each key is read once for them.
+// Work is split into (sequence, K/V head, span of kSpan keys) items; a sequence's spans
+// are fixed by position and combined in order by their log-sum-exp in fp32, so the result
+// depends on the sequence alone, never on its batch or the thread count. Scores,
+// probabilities and sums stay in fp32; the output is rounded to the dtype once. (Measured
+// and not kept: probabilities rounded to the dtype before they weigh V, as PyTorch's flash
+// attention does for a prompt. Decodes then agreed with prompt passes more often, but
+// greedy replies agreed with the fp32 reference less: 14 of 20 against 15.)
+
+constexpr int64_t kSpan = 512;
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// kD: the head size when known at compile time (the common 64 and 128, whose loops then
+// vectorize whole), 0 for any other.
+template <typename T, int64_t kD>
+void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* v_cache,
+                 const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t h,
+                 int64_t first, int64_t last, int64_t G, int64_t head_dim, float* scores,
+                 float* max_out, float* sum_out, float* acc /* G x D */) {
+  const int64_t D = kD ? kD : head_dim;
+  const int64_t n = last - first;
+  float row[kMaxHeadDim];
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = first + j;
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+    const T* kp = k_cache + (slot * kv_heads + h) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(kp[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float lanes[kLanes] = {};
+      int64_t d = 0;
+      for (; d + kLanes <= D; d += kLanes)
+        for (int l = 0; l < kLanes; ++l) lanes[l] += qg[d + l] * row[d + l];
+      for (int l = 0; d < D; ++d, ++l) lanes[l] += qg[d] * row[d];
+      scores[g * n + j] = sum_lanes(lanes);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
+    for (int64_t j = 0; j < n; ++j) sg[j] = exp_neg(sg[j] - m);
+    float lanes[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes)
+      for (int l = 0; l < kLanes; ++l) lanes[l] += sg[j + l];
+    for (int l = 0; j < n; ++j, ++l) lanes[l] += sg[j];
+    max_out[g] = m;
+    sum_out[g] = sum_lanes(lanes);
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = first + j;
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+    const T* vp = v_cache + (slot * kv_heads + h) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(vp[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + j];
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+    }
+  }
+}
+
+template <typename T>
+void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                       const int64_t* lens, T* out, int64_t B, int64_t H, int64_t kv_heads,
+                       int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t G = H / kv_heads;
+  // Items: (sequence, K/V head, span). first_item[b] is sequence b's first.
+  std::vector<int64_t> first_item(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b)
+    first_item[b + 1] = first_item[b] + kv_heads * ((lens[b] + kSpan - 1) / kSpan);
+  const int64_t items = first_item[B];
+  // Per item: its max and sum for each of G rows, and G x D partial outputs.
+  std::vector<float> stats(items * 2 * G), partial(items * G * D);
+  int64_t keys = 0;
+  for (int64_t b = 0; b < B; ++b) keys += lens[b];
+  // Small steps run on the calling thread (a grain above the count): waking the pool
+  // costs more than the work.
+  const int64_t grain = keys * kv_heads < 512 ? items + 1 : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores(G * kSpan);
+    int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) -
+                first_item.begin() - 1;
+    for (int64_t it = begin; it < end; ++it) {
+      while (it >= first_item[b + 1]) ++b;
+      const int64_t spans = (first_item[b + 1] - first_item[b]) / kv_heads;
+      const int64_t h = (it - first_item[b]) / spans, span = (it - first_item[b]) % spans;
+      const T* qb = q + (b * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = widen(qb[i]) * scale;
+      const int64_t first = span * kSpan, last = std::min(lens[b], first + kSpan);
+      float* st = stats.data() + it * 2 * G;
+      const auto span_fn = D == 64    ? decode_span<T, 64>
+                           : D == 128 ? decode_span<T, 128>
+                                      : decode_span<T, 0>;
+      span_fn(qf.data(), k_cache, v_cache, tables + b * max_blocks, block_size, kv_heads, h,
+              first, last, G, D, scores.data(), st, st + G, partial.data() + it * G * D);
+    }
+  });
+  // Combine each (sequence, K/V head)'s spans in order.
+  const int64_t heads_total = B * kv_heads;
+  at::parallel_for(0, heads_total, items == heads_total ? heads_total + 1 : 1, [&](int64_t begin,
+                                                                                  int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / kv_heads, h = bh % kv_heads;
+      const int64_t spans = (first_item[b + 1] - first_item[b]) / kv_heads;
+      const int64_t it0 = first_item[b] + h * spans;
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < spans; ++s) m = std::max(m, stats[(it0 + s) * 2 * G + g]);
+        float total = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t s = 0; s < spans; ++s) {
+          const float* st = stats.data() + (it0 + s) * 2 * G;
+          const float w = spans == 1 ? 1.0f : exp_neg(st[g] - m);
+          total += w * st[G + g];
+          const float* a = partial.data() + ((it0 + s) * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        T* y = out + (b * H + h * G + g) * D;
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(o[d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be (sequences, heads, head_dim)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous (blocks, block_size, kv_heads, head_dim)");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && H % kv_heads == 0, "heads do not match the cache");
+  TORCH_CHECK(D <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kLong,
+              "tables must be (sequences, max_blocks) int64");
+  TORCH_CHECK(lens.numel() == B && lens.scalar_type() == at::kLong, "lens must be int64, one "
+              "per sequence");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  auto qc = q.contiguous();
+  auto tc = tables.contiguous();
+  auto lc = lens.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tc.size(1) * block_size,
+                "a sequence's length exceeds its block table");
+    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tp[b * tc.size(1) + i] >= 0 && tp[b * tc.size(1) + i] < k_cache.size(0),
+                  "block ", tp[b * tc.size(1) + i], " is outside the cache");
+  }
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
+    paged_decode_impl(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                      v_cache.data_ptr<scalar_t>(), tp, lp,
+                      out.data_ptr<scalar_t>(), B, H, kv_heads, D, block_size, tc.size(1),
+                      static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(parley, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slots, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, int kv_heads) -> Tensor");
+  m.def(
+      "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(parley, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_store", &rope_store);
+  m.impl("paged_decode", &paged_decode);
+}

@@ -1,0 +1,227 @@
+"""Parley's fused CPU kernels (app/model/kernels) against the PyTorch ops they replace, and
+the model with them against the model without."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.config import ModelConfig
+from app.model import cpu, kernels
+from app.model.attention import AttentionMetadata, _decode, additive_mask
+from app.model.build import WeightFormat, _use_cpu_kernels
+from app.model.llama import FusedCpuOps, LlamaModel, Rotary, TorchOps
+from tests.tiny import tiny_arch, tiny_weights
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    why = kernels.load(ModelConfig().cache_dir)
+    assert why is None, why  # g++ and ninja are on every machine the suite runs on
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_rounds_as_torch(dtype, rows):
+    g = _gen(rows)
+    x = (3 * torch.randn(rows, 576, generator=g)).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    r = torch.randn(rows, 576, generator=g).to(dtype)
+    ours = torch.ops.parley.rms_norm(x, w, 1e-5)
+    ref = F.rms_norm(x, (576,), w, 1e-5)
+    normed, total = torch.ops.parley.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(total, x + r)  # the residual sum is stored exactly as the add would
+    assert torch.equal(normed, torch.ops.parley.rms_norm(x + r, w, 1e-5))
+    if dtype == torch.bfloat16:  # the sum's order shows only where a value sits on a tie
+        assert (ours != ref).float().mean() < 1e-3
+    else:  # fp32: within 2 ulp
+        torch.testing.assert_close(ours, ref, rtol=3e-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_equals_rotate_and_index_copy(dtype):
+    arch = tiny_arch(32, num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=384)
+    rotary = Rotary(arch, 512).to(dtype)
+    H, Hkv, D = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    qkv = torch.randn(7, (H + 2 * Hkv) * D, generator=_gen(1)).to(dtype)
+    positions = torch.tensor([0, 1, 15, 16, 200, 201, 511])
+    slots = torch.tensor([3, 40, 41, 50, 7, 8, 63])
+    kc, vc = torch.zeros(4, 16, Hkv, D, dtype=dtype), torch.zeros(4, 16, Hkv, D, dtype=dtype)
+    qk = torch.ops.parley.rope_store(qkv, rotary.cos, rotary.sin, positions, slots, kc, vc, H, Hkv)
+    ref = Rotary.rotate(qkv[:, : (H + Hkv) * D].view(7, -1, D), rotary.at(positions))
+    assert torch.equal(qk, ref)
+    assert torch.equal(kc.view(-1, Hkv, D)[slots], ref[:, H:])
+    assert torch.equal(vc.view(-1, Hkv, D)[slots], qkv[:, (H + Hkv) * D :].view(7, Hkv, D))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc.view(-1, Hkv, D)[untouched].any() and not vc.view(-1, Hkv, D)[untouched].any()
+
+
+def _reference_decode(q, kc, vc, tables, lens):
+    """Softmax attention in float64, each sequence's keys read through its block table."""
+    B, H, D = q.shape
+    Hkv = kc.shape[2]
+    out = []
+    for b in range(B):
+        ks = kc[tables[b]].reshape(-1, Hkv, D)[: lens[b]].double().repeat_interleave(H // Hkv, 1)
+        vs = vc[tables[b]].reshape(-1, Hkv, D)[: lens[b]].double().repeat_interleave(H // Hkv, 1)
+        s = torch.einsum("hd,lhd->hl", q[b].double(), ks) * D**-0.5
+        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vs))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 16])  # the specialised loops, and the general ones
+def test_paged_decode_against_float64_and_alone_as_batched(dtype, head_dim):
+    H, Hkv, bs = 9, 3, 16
+    g = _gen(head_dim)
+    kc = torch.randn(200, bs, Hkv, head_dim, generator=g).to(dtype)
+    vc = torch.randn(200, bs, Hkv, head_dim, generator=g).to(dtype)
+    lens = torch.tensor([1, 55, 511, 512, 513, 1300])  # around the 512-key spans
+    tables = torch.stack([torch.randperm(200, generator=g)[:100] for _ in lens])
+    q = torch.randn(len(lens), H, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    out = torch.ops.parley.paged_decode(q, kc, vc, tables, lens, scale)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
+    torch.testing.assert_close(
+        out.double(), _reference_decode(q, kc, vc, tables, lens), rtol=0, atol=tol
+    )
+    for b in range(len(lens)):  # alone: the same bits
+        one = slice(b, b + 1)
+        alone = torch.ops.parley.paged_decode(q[one], kc, vc, tables[one], lens[one], scale)
+        assert torch.equal(alone[0], out[b])
+
+
+def test_paged_decode_close_to_the_gathered_sdpa_path():
+    H, Hkv, D, bs = 9, 3, 64, 16
+    g = _gen(3)
+    kc = torch.randn(64, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(64, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([30, 250])
+    tables = torch.stack([torch.randperm(64, generator=g)[:16] for _ in lens])
+    q = torch.randn(2, H, D, generator=g).to(torch.bfloat16)
+    keep = torch.arange(16 * bs)[None, :] < lens[:, None]
+    meta = AttentionMetadata(torch.empty(0), 2, tables, additive_mask(keep, q.dtype)[:, None, None])
+    sdpa = _decode(q, kc, vc, meta, D**-0.5)
+    meta.decode_lens = lens
+    ours = _decode(q, kc, vc, meta, D**-0.5)
+    torch.testing.assert_close(ours.float(), sdpa.float(), rtol=0, atol=8e-3)
+
+
+def test_bad_input_is_refused_with_a_reason():
+    kc = torch.zeros(4, 16, 2, 16)
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        torch.ops.parley.paged_decode(q, kc, kc, torch.zeros(1, 2, dtype=torch.long),
+                                      torch.tensor([33]), 0.25)  # fmt: skip
+    with pytest.raises(RuntimeError, match="block 9 is outside the cache"):
+        torch.ops.parley.paged_decode(q, kc, kc, torch.tensor([[0, 9]]), torch.tensor([20]), 0.25)
+    rotary = Rotary(tiny_arch(32), 8)
+    qkv = torch.zeros(1, (4 + 2 * 2) * 16)
+    for pos, slot, why in ((0, 64, "slot 64 is outside"), (8, 0, "position 8 is past")):
+        with pytest.raises(RuntimeError, match=why):
+            torch.ops.parley.rope_store(qkv, rotary.cos, rotary.sin, torch.tensor([pos]),
+                                        torch.tensor([slot]), kc, kc.clone(), 4, 2)  # fmt: skip
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.parley.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_model_with_kernels_matches_the_model_without(dtype):
+    """The tiny model over a paged cache: a prompt in two chunks, then decodes, with
+    PyTorch's ops and with the kernels; the logits agree to the dtype's rounding."""
+    arch = tiny_arch(97)
+    weights = {k: v.to(dtype) for k, v in tiny_weights(arch).items()}
+    runs = []
+    for ops in (TorchOps(), FusedCpuOps()):
+        model = LlamaModel.from_weights(arch, dict(weights), 256)
+        model.use_ops(ops)
+        shape = (8, 16, arch.num_kv_heads, arch.head_dim)
+        caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                  for _ in range(arch.num_layers)]  # fmt: skip
+        ids = torch.randint(0, 97, (40,), generator=_gen(5))
+        logits = [model.forward_tokens(ids[:30].tolist())[-1]]
+        # forward_tokens uses a scratch cache; decode the rest over `caches` one token a step
+        from app.model.attention import PrefillChunk
+
+        table = torch.arange(8)
+        meta = AttentionMetadata(slot_mapping=torch.arange(30),
+                                 prefills=[PrefillChunk(0, 30, 30, None, None)])  # fmt: skip
+        model(ids[:30], torch.arange(30), caches, meta, torch.tensor([29]))
+        for p in range(30, 40):
+            lens = torch.tensor([p + 1])
+            meta = AttentionMetadata(torch.tensor([p]), 1, table[None])
+            if ops.fused:
+                meta.decode_lens = lens
+            else:
+                keep = torch.arange(8 * 16)[None, :] < lens[:, None]
+                meta.decode_mask = additive_mask(keep, dtype)[:, None, None]
+            logits.append(model(ids[p : p + 1], torch.tensor([p]), caches, meta,
+                                torch.tensor([0]))[0])  # fmt: skip
+        runs.append(torch.stack(logits).float())
+    scale = runs[0].abs().max().item()  # bf16: a few of the largest logit's ulps (2^-8)
+    tol = 1e-5 * scale if dtype == torch.float32 else 2e-2 * scale
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=tol)
+    if dtype == torch.float32:
+        assert torch.equal(runs[1].argmax(-1), runs[0].argmax(-1))
+
+
+def test_off_or_unbuildable_means_pytorch_ops(monkeypatch, caplog):
+    arch = tiny_arch(32)
+    fmt = WeightFormat("none", "float32")
+    model = LlamaModel.from_weights(arch, tiny_weights(arch), 64)
+    _use_cpu_kernels(model, ModelConfig(), fmt)  # off unless asked for
+    assert not model.ops.fused and not model.layers[0].ops.fused
+    monkeypatch.setattr(kernels, "load", lambda cache_dir: "the kernels did not build (no g++)")
+    with caplog.at_level("INFO", logger="app.model.build"):
+        _use_cpu_kernels(model, ModelConfig(cpu_kernels=True), fmt)
+    assert not model.ops.fused
+    assert "no g++" in caplog.text
+    monkeypatch.undo()
+    _use_cpu_kernels(model, ModelConfig(cpu_kernels=True), fmt)
+    assert model.ops.fused and all(layer.ops.fused for layer in model.layers)
+
+
+def test_an_avx2_build_computes_the_same(tmp_path):
+    """The same source built for an AVX2-only CPU (x86-64-v3), in a process of its own (one
+    build a process): its results equal this machine's native build's, or are within the
+    dtype's rounding where the vector width changes a sum's order."""
+    if "avx2" not in cpu.cpu_flags():
+        pytest.skip("needs an x86 CPU with AVX2")
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        from pathlib import Path
+        from app.model import cpu, kernels
+        assert kernels.load(Path({str(tmp_path)!r}), march=sys.argv[1]) is None
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(33, 576, generator=g).bfloat16()
+        w = torch.randn(576, generator=g).bfloat16()
+        kc = torch.randn(64, 16, 3, 64, generator=g).bfloat16()
+        vc = torch.randn(64, 16, 3, 64, generator=g).bfloat16()
+        q = torch.randn(2, 9, 64, generator=g).bfloat16()
+        tables = torch.stack([torch.randperm(64, generator=g)[:40] for _ in range(2)])
+        out = dict(norm=torch.ops.parley.rms_norm(x, w, 1e-5),
+                   attn=torch.ops.parley.paged_decode(q, kc, vc, tables, torch.tensor([7, 600]),
+                                                      0.125))
+        torch.save(out, sys.argv[2])
+        """
+    )
+    for march in ("native", "x86-64-v3"):
+        subprocess.run([sys.executable, "-c", script, march, str(tmp_path / f"{march}.pt")],
+                       check=True, timeout=600)  # fmt: skip
+    native = torch.load(tmp_path / "native.pt")
+    avx2 = torch.load(tmp_path / "x86-64-v3.pt")
+    assert torch.equal(native["norm"], avx2["norm"])  # same lanes, same order, any width
+    torch.testing.assert_close(native["attn"].float(), avx2["attn"].float(), rtol=0, atol=8e-3)
