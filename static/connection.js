@@ -19,9 +19,15 @@ export class Connection {
   start() {
     this.connect("connecting");
     window.addEventListener("online", () => this.retryNow());
-    // Off the network, an open socket can take minutes to notice: let it go now, and
-    // re-attach the turns in flight once the network is back.
-    window.addEventListener("offline", () => this.socket?.close());
+    // Off the network, an open socket can take minutes to notice, and its closing
+    // handshake needs the network that just went away: count it lost now, and re-attach
+    // the turns in flight once the network is back.
+    window.addEventListener("offline", () => {
+      const socket = this.socket;
+      if (!socket || socket.readyState > WebSocket.OPEN) return;
+      socket.close();
+      this.lost(socket);
+    });
   }
 
   connect(state) {
@@ -38,6 +44,7 @@ export class Connection {
       }
     });
     socket.addEventListener("message", (event) => {
+      if (socket.lost) return; // a resume on the next socket replays what comes after
       let frame;
       try {
         frame = JSON.parse(event.data);
@@ -49,17 +56,21 @@ export class Connection {
       else this.onFrame(frame);
       if (handler && (frame.type === "done" || frame.type === "error")) this.handlers.delete(frame.id);
     });
-    socket.addEventListener("close", () => {
-      if (this.socket !== socket) return;
-      // Turns that cannot resume are gone; the others wait for the next socket.
-      for (const [id, handler] of this.handlers) {
-        if (!handler.resume) this.fail(id, handler);
-      }
-      const wait = this.delay;
-      this.delay = Math.min(this.delay * 2, MAX_DELAY_MS);
-      this.onState("reconnecting", wait);
-      this.timer = setTimeout(() => this.connect("reconnecting"), wait);
-    });
+    socket.addEventListener("close", () => this.lost(socket));
+  }
+
+  // The socket is gone (closed, or let go when the network went away): once per socket.
+  lost(socket) {
+    if (this.socket !== socket || socket.lost) return;
+    socket.lost = true;
+    // Turns that cannot resume are gone; the others wait for the next socket.
+    for (const [id, handler] of this.handlers) {
+      if (!handler.resume) this.fail(id, handler);
+    }
+    const wait = this.delay;
+    this.delay = Math.min(this.delay * 2, MAX_DELAY_MS);
+    this.onState("reconnecting", wait);
+    this.timer = setTimeout(() => this.connect("reconnecting"), wait);
   }
 
   fail(id, handler) {
@@ -68,14 +79,14 @@ export class Connection {
   }
 
   retryNow() {
-    if (this.socket && this.socket.readyState <= WebSocket.OPEN) return; // connecting or open
+    if (this.socket && !this.socket.lost && this.socket.readyState <= WebSocket.OPEN) return; // connecting or open
     clearTimeout(this.timer);
     this.delay = MIN_DELAY_MS;
     this.connect("reconnecting");
   }
 
   get isOpen() {
-    return this.socket !== null && this.socket.readyState === WebSocket.OPEN;
+    return this.socket !== null && !this.socket.lost && this.socket.readyState === WebSocket.OPEN;
   }
 
   // Route the frames of a turn already in flight (a reply that was streaming before a
