@@ -118,6 +118,13 @@ class TorchOps:
         residual = residual + x
         return norm(residual), residual
 
+    def decode_layers(
+        self, model: LlamaModel, h: torch.Tensor, rope: object,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """The whole layer stack in one call, where the ops can; None: layer by layer."""
+        return None
+
     def rope_store(
         self, qkv: torch.Tensor, rope: object, kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata, arch: ArchConfig,
@@ -139,8 +146,35 @@ class FusedCpuOps(TorchOps):
 
     fused = True
 
+    def __init__(self) -> None:
+        self._weights: list[torch.Tensor] | None = None  # decode_layers' flat list, once
+        self._group = 0  # the int4 weights' group size
+
     def rope(self, rotary: Rotary, positions: torch.Tensor) -> object:
         return rotary.cos, rotary.sin, positions
+
+    def decode_layers(
+        self, model: LlamaModel, h: torch.Tensor, rope: object,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """A decode-only step over int4 weights runs the layers in one C++ call: the same
+        ops in the same order as layer by layer, without their ~15 Python calls a layer."""
+        if meta.prefills or meta.decode_lens is None or meta.num_decodes != h.shape[0]:
+            return None
+        if self._weights is None:
+            from app.model.quant.int4 import GROUP  # int4 builds on this module
+
+            self._weights, self._group = _int4_stack(model, h.dtype), GROUP
+        if not self._weights:
+            return None
+        cos, sin, positions = rope  # type: ignore[misc]
+        a = model.arch
+        return torch.ops.parley.decode_layers(
+            h, cos, sin, positions, meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_lens, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            self._weights, a.num_heads, a.num_kv_heads, self._group, a.rms_norm_eps,
+            a.head_dim**-0.5,
+        )  # fmt: skip
 
     def norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return torch.ops.parley.rms_norm(x, norm.weight, norm.eps)
@@ -159,6 +193,22 @@ class FusedCpuOps(TorchOps):
             qkv, cos, sin, positions, meta.slot_mapping, kv[0], kv[1],
             arch.num_heads, arch.num_kv_heads,
         )  # fmt: skip
+
+
+def _int4_stack(model: LlamaModel, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every layer's int4 (packed, scale_zero) for qkv, o_proj, gate_up and down, then its
+    two norms' weights; empty unless every linear is int4 in `dtype` without a bias."""
+    from app.model.quant.int4 import Int4Linear
+
+    out: list[torch.Tensor] = []
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            lin = getattr(layer, name)
+            if not isinstance(lin, Int4Linear) or lin.dtype != dtype or lin.bias is not None:
+                return []
+            out += [lin.packed, lin.scale_zero]
+        out += [layer.input_norm.weight, layer.post_norm.weight]
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -258,8 +308,12 @@ class LlamaModel(nn.Module):
         """Returns logits (S, vocab)."""
         h, residual = self.embed_tokens(input_ids), None
         rope = self.ops.rope(self.rotary, positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, rope, kv, meta)
+        stacked = self.ops.decode_layers(self, h, rope, kv_caches, meta)
+        if stacked is not None:
+            h, residual = stacked
+        else:
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                h, residual = layer(h, residual, rope, kv, meta)
         h = self.ops.norm((residual + h)[logits_indices], self.norm)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h)

@@ -225,3 +225,41 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     avx2 = torch.load(tmp_path / "x86-64-v3.pt")
     assert torch.equal(native["norm"], avx2["norm"])  # same lanes, same order, any width
     torch.testing.assert_close(native["attn"].float(), avx2["attn"].float(), rtol=0, atol=8e-3)
+
+
+def test_the_layer_stack_in_one_call_equals_layer_by_layer(smollm, monkeypatch):
+    """The default model (int4 weights, bf16): decode steps through decode_layers (one C++
+    call for the 30 layers) give the same bits as the Python layers with the same kernels."""
+    from app.config import CacheConfig, EngineConfig
+    from app.engine.engine import LLMEngine
+    from app.engine.request import SamplingParams
+
+    config = EngineConfig(model=ModelConfig(cpu_kernels=True), cache=CacheConfig(64 << 20))
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+    prompts = [smollm.tokenizer.encode(t) for t in ("The lighthouse keeper", "Once upon a")]
+    calls = []
+    runs = []
+    for stacked in (True, False):
+        engine = LLMEngine(config, smollm)
+        assert engine.model.ops.fused
+        one_call = type(engine.model.ops).decode_layers
+
+        def spy(self, *args, _real=one_call, _on=stacked):
+            out = _real(self, *args) if _on else None
+            calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(type(engine.model.ops), "decode_layers", spy)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        got: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(
+                    (lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []
+                )
+        runs.append(got)
+        engine.close()
+        monkeypatch.undo()
+    assert any(calls) and not all(calls)  # the one-call path ran, and so did the layers
+    assert runs[0] == runs[1]
