@@ -17,6 +17,7 @@ import sys
 import time
 
 from app.config import (
+    CPU_KERNELS,
     DTYPES,
     QUANTIZATIONS,
     TIER_STORE_POLICIES,
@@ -52,11 +53,11 @@ FLAGS: list[tuple[str, dict]] = [
     (
         "--cpu-kernels",
         dict(
-            choices=("on", "off"),
-            default="off",
-            help="on: Parley's fused CPU kernels for norms, rotary and decode attention "
-            "(compiled once per machine with g++; ~1.25x one conversation's decode speed, "
-            "rounds differently from PyTorch's ops)",
+            choices=CPU_KERNELS,
+            default="auto",
+            help="Parley's fused CPU kernels for norms, rotary, decode attention and the decode "
+            "layer stack (compiled once per machine with g++); auto: on for int4 weights "
+            "(~1.6x one conversation's decode speed), off for weights as loaded",
         ),
     ),
     ("--host", dict(default="127.0.0.1", help="address to listen on")),
@@ -222,7 +223,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             model=args.model,
             dtype=args.dtype,
             quantization=args.quantization,
-            cpu_kernels=args.cpu_kernels == "on",
+            cpu_kernels=args.cpu_kernels,
         ),
         cache=CacheConfig(
             kv_cache_bytes=args.kv_cache_size,

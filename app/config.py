@@ -50,6 +50,7 @@ def default_cache_dir() -> Path:
 # "auto": chosen at load by the checkpoint and the CPU (app.model.build.choose_format).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+CPU_KERNELS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,11 @@ class ModelConfig:
     # loaded. int4 passes the quality gate that int8 misses (bench/README.md). The exact
     # reference is quantization="none", dtype="float32".
     quantization: str = "auto"
-    # Parley's fused CPU kernels for the layers' small ops (app/model/kernels), compiled
-    # once per machine: ~1.25x one conversation's decode speed. Off by default: with bf16
-    # activations they cost the int4 quality gate a greedy reply (15 of 20 agree with
-    # fp32, against 17 with PyTorch's ops; bench/README.md, "Parley's CPU kernels").
-    cpu_kernels: bool = False
+    # Parley's fused CPU kernels for the layers' small ops and a decode step's layer stack
+    # (app/model/kernels), compiled once per machine: "on", "off", or "auto": on for int4
+    # weights (the default model: ~1.6x one conversation's decode speed), off for weights
+    # as loaded, so that the exact reference stays PyTorch's ops op by op.
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -84,6 +85,10 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}"
+            )
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(
+                f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, not {self.cpu_kernels!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")

@@ -1,7 +1,7 @@
 """Where one request's decode step goes: weight matmuls against everything else.
 
     python bench/decode_step.py [--context 40] [--steps 60] [--quantization auto --dtype auto]
-                                [--cpu-kernels on|off]
+                                [--cpu-kernels auto|on|off]
 
 One request decodes greedily in the engine, alone. The median step time is measured
 without a profiler; then torch.profiler attributes the weight matmuls' time (the int4
@@ -45,12 +45,12 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--cpu-kernels", choices=("on", "off"), default="off")
+    ap.add_argument("--cpu-kernels", choices=("auto", "on", "off"), default="auto")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model = ModelConfig(
-        quantization=args.quantization, dtype=args.dtype, cpu_kernels=args.cpu_kernels == "on"
+        quantization=args.quantization, dtype=args.dtype, cpu_kernels=args.cpu_kernels
     )
     llm = LLM(config=EngineConfig(model=model, cache=CacheConfig(512 << 20)))
     engine = llm.engine

@@ -14,7 +14,8 @@ the prefill chunks, each a contiguous run of tokens of one sequence. Every layer
    first message after a cached system prompt), the chunk's queries are padded in front
    with zeros for the cached rows and the whole context attends as one causal square,
    whose upper half the flash kernel skips: the same call, shapes and rounding as the
-   whole prompt computed without the cache. Otherwise (a follow-up after a long history)
+   whole prompt computed without the cache (and so does any prompt of at most
+   PAD_MAX_CONTEXT tokens). Otherwise (a follow-up after a long history)
    the chunk's rows attend through a bottom-right-aligned causal mask, with the G query
    heads of each K/V head folded into one run of G x n rows as decodes do: 3 work items
    of 3n rows instead of 9 of n, ~20% faster for a short follow-up (a long chunk, whose
@@ -80,6 +81,12 @@ class AttentionMetadata:
 # per query row and key, as large chunks gain nothing from folding.
 FOLD_MAX_ELEMENTS = 4 << 20
 
+# A prompt of at most this many tokens always attends as the whole prompt's causal square,
+# however much of it was cached: a short prompt asked twice, the second time after its
+# cached blocks, then gives the same bits as the first. It costs ~0.1 ms a layer more than
+# the masked rows at 64 tokens (bench/README.md, "Parley's CPU kernels").
+PAD_MAX_CONTEXT = 64
+
 
 def prefix_mask(
     cached: int, new: int, groups: int = 1, dtype: torch.dtype = torch.float32
@@ -89,8 +96,9 @@ def prefix_mask(
     of the `groups` query heads that share a K/V head: [groups * new, cached + new], for
     the folded call. For a long one, bool (True = attend): [new, cached + new]. None when
     the rows are cheaper as the whole context's causal square, cached rows padded in:
-    (cached + new)^2 / 2 scores against new * (cached + new)."""
-    if cached < new:
+    (cached + new)^2 / 2 scores against new * (cached + new), or when the prompt is short
+    enough that the bits matter more (PAD_MAX_CONTEXT)."""
+    if cached < new or cached + new <= PAD_MAX_CONTEXT:
         return None
     q_pos = torch.arange(cached, cached + new)[:, None]
     keep = torch.arange(cached + new)[None, :] <= q_pos  # (new, cached + new)

@@ -152,8 +152,10 @@ def build_model(
 def _use_cpu_kernels(model: LlamaModel, cfg: ModelConfig, fmt: WeightFormat) -> None:
     """Parley's fused kernels for the layers' small ops, where they build (see
     app/model/kernels); PyTorch's ops otherwise, with the reason in the log."""
-    if not cfg.cpu_kernels:
-        why = "off (--cpu-kernels on to use them)"
+    if cfg.cpu_kernels == "off":
+        why = "off (--cpu-kernels off)"
+    elif cfg.cpu_kernels == "auto" and fmt.quantization != "int4":
+        why = f"off: auto uses them for int4 weights, not {fmt.quantization} (--cpu-kernels on)"
     elif fmt.dtype not in ("float32", "bfloat16"):
         why = f"not for {fmt.dtype}"
     else:

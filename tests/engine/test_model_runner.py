@@ -56,17 +56,24 @@ def test_several_decodes_share_one_padded_masked_gather():
 
 
 def test_a_chunk_after_a_cached_prefix_attends_through_its_block_table():
-    chunk = scheduled("c", list(range(12)), 8, 4, [2, 3, 4])
+    blocks = list(range(2, 19))  # 68 tokens past PAD_MAX_CONTEXT, in 17 blocks of 4
+    chunk = scheduled("c", list(range(68)), 64, 4, blocks)
     inp = runner().prepare(SchedulerOutput([chunk]))
     (p,) = inp.meta.prefills
-    assert p.block_table.tolist() == [2, 3, 4] and p.context_len == 12
-    # Bottom-right causal: query i (position 8 + i) sees positions 0 .. 8 + i; additive,
+    assert p.block_table.tolist() == blocks and p.context_len == 68
+    # Bottom-right causal: query i (position 64 + i) sees positions 0 .. 64 + i; additive,
     # once for each of the 2 query heads that share a K/V head (tiny: 4 heads, 2 K/V).
-    expected = torch.arange(12)[None, :] <= torch.arange(8, 12)[:, None]
-    assert p.mask.shape == (2 * 4, 12)
+    expected = torch.arange(68)[None, :] <= torch.arange(64, 68)[:, None]
+    assert p.mask.shape == (2 * 4, 68)
     assert torch.equal(p.mask == 0, expected.repeat(2, 1))
     assert torch.equal(p.mask != 0, p.mask == float("-inf"))
     assert inp.logits_indices.tolist() == [3]
+
+
+def test_a_short_prompt_after_a_cached_prefix_attends_as_a_causal_square():
+    chunk = scheduled("c", list(range(12)), 8, 4, [2, 3, 4])  # 12 <= PAD_MAX_CONTEXT
+    (p,) = runner().prepare(SchedulerOutput([chunk])).meta.prefills
+    assert p.block_table.tolist() == [2, 3, 4] and p.mask is None
 
 
 def test_a_chunk_longer_than_its_cached_prefix_attends_as_a_causal_square():
@@ -92,7 +99,7 @@ def test_a_step_is_built_on_the_cache_device():
     cache = KVCache(arch, CacheConfig(kv_cache_bytes=16 * per_block, block_size=BS), device="meta")
     r = ModelRunner(model=None, kv_cache=cache, sampler=Sampler())  # type: ignore[arg-type]
     decode = scheduled("d", list(range(10)), 9, 1, [3, 5, 7])
-    cont = scheduled("c", list(range(12)), 8, 4, [1, 2, 4])  # continues a cached prefix
+    cont = scheduled("c", list(range(68)), 64, 4, list(range(1, 18)))  # after a cached prefix
     inp = r.prepare(SchedulerOutput([cont, decode]))
     meta = inp.meta
     chunk = meta.prefills[0]

@@ -57,6 +57,8 @@ def whole_and_chunk(cached: int, new: int, dtype: torch.dtype):
         (16, 700, True),
         (5, 300, True),
         (48, 49, True),
+        (32, 3, True),  # a prompt of at most PAD_MAX_CONTEXT tokens: the square, always
+        (63, 1, True),
         (300, 40, False),
         (64, 64, False),
         (1488, 19, False),

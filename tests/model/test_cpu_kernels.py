@@ -181,16 +181,27 @@ def test_off_or_unbuildable_means_pytorch_ops(monkeypatch, caplog):
     arch = tiny_arch(32)
     fmt = WeightFormat("none", "float32")
     model = LlamaModel.from_weights(arch, tiny_weights(arch), 64)
-    _use_cpu_kernels(model, ModelConfig(), fmt)  # off unless asked for
+    _use_cpu_kernels(model, ModelConfig(), fmt)  # auto: not for weights as loaded
     assert not model.ops.fused and not model.layers[0].ops.fused
+    _use_cpu_kernels(model, ModelConfig(cpu_kernels="off"), WeightFormat("int4", "bfloat16"))
+    assert not model.ops.fused
     monkeypatch.setattr(kernels, "load", lambda cache_dir: "the kernels did not build (no g++)")
     with caplog.at_level("INFO", logger="app.model.build"):
-        _use_cpu_kernels(model, ModelConfig(cpu_kernels=True), fmt)
+        _use_cpu_kernels(model, ModelConfig(cpu_kernels="on"), fmt)
     assert not model.ops.fused
     assert "no g++" in caplog.text
     monkeypatch.undo()
-    _use_cpu_kernels(model, ModelConfig(cpu_kernels=True), fmt)
+    _use_cpu_kernels(model, ModelConfig(cpu_kernels="on"), fmt)
     assert model.ops.fused and all(layer.ops.fused for layer in model.layers)
+
+
+def test_auto_serves_the_default_model_with_the_kernels(smollm):
+    from app.model.build import build_model
+
+    built = build_model(smollm, ModelConfig(), "cpu", 512)
+    assert built.format.quantization == "int4" and built.model.ops.fused
+    exact = build_model(smollm, ModelConfig(quantization="none", dtype="float32"), "cpu", 512)
+    assert not exact.model.ops.fused  # the exact reference: PyTorch's ops
 
 
 def test_an_avx2_build_computes_the_same(tmp_path):
@@ -234,7 +245,7 @@ def test_the_layer_stack_in_one_call_equals_layer_by_layer(smollm, monkeypatch):
     from app.engine.engine import LLMEngine
     from app.engine.request import SamplingParams
 
-    config = EngineConfig(model=ModelConfig(cpu_kernels=True), cache=CacheConfig(64 << 20))
+    config = EngineConfig(model=ModelConfig(), cache=CacheConfig(64 << 20))  # auto: on
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
     prompts = [smollm.tokenizer.encode(t) for t in ("The lighthouse keeper", "Once upon a")]
     calls = []

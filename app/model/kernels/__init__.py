@@ -3,13 +3,14 @@
 
 A decode step at one request is ~40 small tensor ops a layer, each a few microseconds of
 dispatch for a few thousand multiply-adds; the kernels here do a layer's norms, rotary,
-K/V write and decode attention in four calls (app/model/ops.py says which replaces what).
+K/V write and decode attention in four calls, and a decode step's whole int4 layer stack
+in one (app/model/llama.py's FusedCpuOps says which replaces what).
 
 The source is compiled by torch.utils.cpp_extension (g++ and ninja) with `-march=native`,
 so the machine's vector width is the compiler's to use: AVX-512 here, AVX2 on an older
 CPU, from the same portable C++. The build is cached under the model cache, keyed by the
 source, torch's and Python's versions and this CPU's flags: a machine compiles it once
-(~15 s on 2 cores), later starts load it in milliseconds. Where there is no compiler, or
+(~10 s on 2 cores), later starts load it in milliseconds. Where there is no compiler, or
 the build fails, the model runs PyTorch's ops instead and the start-up log says why.
 """
 

@@ -99,10 +99,12 @@ def test_chat_logprobs_match_the_models_logits(client, server, ids_of):
     ref = model_logprobs(server, prompt + ids)
     # The reference is one prefill; the served values came from decode steps. In fp32 they
     # agree to rounding; with bf16 activations (the default where the CPU has native bf16)
-    # a logit is good to ~0.4% of its size, and the two paths round differently: over six
-    # chat prompts, served top-5 logprobs parted from a prefill's by up to 0.25.
+    # a logit is good to ~0.4% of its size, and the two paths round differently. Each is
+    # within ~0.25 of fp32's logprobs (bench/README.md: chosen tokens of 20 replies, max
+    # 0.24 with PyTorch's ops, 0.20 with Parley's kernels), so they may part by their sum:
+    # 0.32 was seen with the kernels' decode attention, 0.25 with SDPA's.
     exact = server.engine.engine.weight_format.startswith("weights as loaded, float32")
-    tol = 2e-3 if exact else 0.3
+    tol = 2e-3 if exact else 0.5
     for i, e in enumerate(entries):
         row = ref[len(prompt) - 1 + i]
         assert e.logprob == pytest.approx(row[ids[i]].item(), abs=tol)
