@@ -274,3 +274,18 @@ def test_the_layer_stack_in_one_call_equals_layer_by_layer(smollm, monkeypatch):
         monkeypatch.undo()
     assert any(calls) and not all(calls)  # the one-call path ran, and so did the layers
     assert runs[0] == runs[1]
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):
+    import os
+    import time
+
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    fresh.touch()
+    stale.touch()
+    old = time.time() - kernels.STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    kernels._clear_stale_lock(fresh)
+    kernels._clear_stale_lock(stale)
+    kernels._clear_stale_lock(tmp_path / "absent")
+    assert fresh.exists() and not stale.exists()

@@ -59,6 +59,7 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
     _ninja_on_path()
     build_dir = Path(cache_dir) / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir / "lock")
     fresh = not any(build_dir.glob("*.so"))
     start = time.perf_counter()
     try:
@@ -83,6 +84,20 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
             build_dir,
         )
     return None
+
+
+# A build takes ~10 s; a lock older than this was left by a process killed mid-build, and
+# torch's builder would wait for it forever.
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            log.warning("removed a stale build lock left by a killed process: %s", lock)
+    except FileNotFoundError:
+        pass
 
 
 def _ninja_on_path() -> None:
