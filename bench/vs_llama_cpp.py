@@ -30,6 +30,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,11 +58,19 @@ class Server:
     """A server process on a free loopback port, ready when /v1/models answers."""
 
     def __init__(self, name: str, cmd: list[str], port: int) -> None:
-
         self.name, self.port = name, port
         self.base = f"http://127.0.0.1:{port}/v1"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its output goes to a temporary file, named when a scenario fails.
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (open while the server runs)
+            prefix=f"{name}-", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         wait_ready(self.proc, self.base + "/models", f"{name} ({' '.join(cmd)})")
+
+    def state(self) -> str:
+        code = self.proc.poll()
+        alive = "running" if code is None else f"exited with {code}"
+        return f"{self.name}: {alive}, output in {self.log.name}"
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -173,9 +182,14 @@ async def scenario(servers: list[Server], name: str, make, repeats: int) -> dict
         for s in servers if run % 2 == 0 else servers[::-1]:
             client = openai.AsyncOpenAI(base_url=s.base, api_key="unused", max_retries=0,
                                         timeout=1200)  # fmt: skip
-            model = (await client.models.list()).data[0].id
-            got[s.name].append(await make(client, model, f"{name}-{run}"))
-            await client.close()
+            try:
+                model = (await client.models.list()).data[0].id
+                got[s.name].append(await make(client, model, f"{name}-{run}"))
+            except Exception as exc:
+                states = "; ".join(x.state() for x in servers)
+                raise RuntimeError(f"{name}, run {run}, against {s.name}: {states}") from exc
+            finally:
+                await client.close()
     out = {k: median_of(v) for k, v in got.items()}
     print(f"{name}: {json.dumps(out)}", file=sys.stderr)
     return out
