@@ -60,12 +60,19 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
     build_dir = Path(cache_dir) / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir / "lock")
-    fresh = not any(build_dir.glob("*.so"))
+    # The build compiles a copy kept beside it: ninja rebuilds when a source's path changes,
+    # and two checkouts of the same source would otherwise take turns recompiling it.
+    source = build_dir / SOURCE.name
+    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+        tmp = build_dir / f".{SOURCE.name}.{os.getpid()}"
+        tmp.write_bytes(SOURCE.read_bytes())
+        tmp.replace(source)
+    built = max((p.stat().st_mtime for p in build_dir.glob("*.so")), default=None)
     start = time.perf_counter()
     try:
         cpp_extension.load(
             name=f"parley_kernels_{key}",
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=[*CFLAGS, f"-march={march}"],
             # The libgomp torch has loaded (same soname): one OpenMP pool, not two.
             extra_ldflags=["-fopenmp"],
@@ -77,7 +84,7 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         return f"the kernels did not build ({reason[:200]})"
     _loaded = key
-    if fresh:
+    if built != max((p.stat().st_mtime for p in build_dir.glob("*.so")), default=None):
         log.info(
             "compiled Parley's CPU kernels in %.1f s (once for this CPU; cached in %s)",
             time.perf_counter() - start,
