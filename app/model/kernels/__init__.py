@@ -37,9 +37,9 @@ CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 _loaded: str | None = None  # the build key loaded into this process, if any
 
 
-def build_key(march: str = "native") -> str:
+def build_key(code: bytes, march: str = "native") -> str:
     """What a build depends on: the source, torch, Python, the target and this CPU."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(code)
     h.update(f"{torch.__version__} {sys.version_info[:2]} {march} {CFLAGS}".encode())
     h.update(" ".join(sorted(cpu.cpu_flags())).encode())
     return h.hexdigest()[:16]
@@ -51,7 +51,8 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
     One process holds one build: `torch.ops.parley` is a single namespace. The build
     directory is locked while it compiles, so processes starting together build it once."""
     global _loaded
-    key = build_key(march)
+    code = SOURCE.read_bytes()
+    key = build_key(code, march)
     if _loaded is not None:
         return None if _loaded == key else f"another build ({_loaded}) is loaded"
     from torch.utils import cpp_extension
@@ -63,9 +64,9 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
     # The build compiles a copy kept beside it: ninja rebuilds when a source's path changes,
     # and two checkouts of the same source would otherwise take turns recompiling it.
     source = build_dir / SOURCE.name
-    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+    if not source.exists() or source.read_bytes() != code:
         tmp = build_dir / f".{SOURCE.name}.{os.getpid()}"
-        tmp.write_bytes(SOURCE.read_bytes())
+        tmp.write_bytes(code)
         tmp.replace(source)
     built = max((p.stat().st_mtime for p in build_dir.glob("*.so")), default=None)
     start = time.perf_counter()
@@ -117,7 +118,3 @@ def _ninja_on_path() -> None:
     except ImportError:
         return
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def loaded() -> bool:
-    return _loaded is not None

@@ -29,9 +29,16 @@ namespace {
 
 constexpr int kLanes = 16;  // partial sums kept apart, so that sums vectorize without -ffast-math
 
-// The sum of kLanes partial sums as a tree (8 + 8, 4 + 4, ...): vector adds, where a running
-// sum would be a chain of 15 dependent scalar adds.
-inline float sum_lanes(float* lanes) {
+// term(0) + ... + term(n - 1), kept in kLanes partial sums (term i in lane i % kLanes) that
+// are then added as a tree (8 + 8, 4 + 4, ...): vector adds throughout, where a running sum
+// would be a chain of dependent scalar adds. The order is fixed by n alone.
+template <typename F>
+inline float lane_sum(int64_t n, F term) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += term(i + l);
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += term(i);
   for (int w = kLanes / 2; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
   return lanes[0];
@@ -72,15 +79,7 @@ inline float exp_neg(float x) {
 
 template <typename T>
 void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      const float v = widen(x[i + l]);
-      lanes[l] += v * v;
-    }
-  for (int l = 0; i < n; ++i, ++l) lanes[l] += widen(x[i]) * widen(x[i]);
-  const float sum = sum_lanes(lanes);
+  const float sum = lane_sum(n, [&](int64_t i) { return widen(x[i]) * widen(x[i]); });
   const float r = std::pow(sum / static_cast<float>(n) + eps, -0.5f);  // as torch.rsqrt
   for (int64_t j = 0; j < n; ++j)
     out[j] = static_cast<T>(widen(x[j]) * r * widen(w[j]));
@@ -238,19 +237,17 @@ void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* 
   const int64_t D = kD ? kD : head_dim;
   const int64_t n = last - first;
   float row[kMaxHeadDim];
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = first + j;
+  // Head h's row of the key or value at `pos`, widened to fp32 into `row`.
+  const auto load = [&](const T* cache, int64_t pos) {
     const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-    const T* kp = k_cache + (slot * kv_heads + h) * D;
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(kp[d]);
+    const T* p = cache + (slot * kv_heads + h) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(p[d]);
+  };
+  for (int64_t j = 0; j < n; ++j) {
+    load(k_cache, first + j);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      float lanes[kLanes] = {};
-      int64_t d = 0;
-      for (; d + kLanes <= D; d += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] += qg[d + l] * row[d + l];
-      for (int l = 0; d < D; ++d, ++l) lanes[l] += qg[d] * row[d];
-      scores[g * n + j] = sum_lanes(lanes);
+      scores[g * n + j] = lane_sum(D, [&](int64_t d) { return qg[d] * row[d]; });
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -258,20 +255,12 @@ void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* 
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
     for (int64_t j = 0; j < n; ++j) sg[j] = exp_neg(sg[j] - m);
-    float lanes[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes)
-      for (int l = 0; l < kLanes; ++l) lanes[l] += sg[j + l];
-    for (int l = 0; j < n; ++j, ++l) lanes[l] += sg[j];
     max_out[g] = m;
-    sum_out[g] = sum_lanes(lanes);
+    sum_out[g] = lane_sum(n, [&](int64_t j) { return sg[j]; });
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = first + j;
-    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-    const T* vp = v_cache + (slot * kv_heads + h) * D;
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(vp[d]);
+    load(v_cache, first + j);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + j];
       float* a = acc + g * D;
