@@ -182,15 +182,15 @@ class ModelRunner:
                     self._upload(tables, torch.int32), self._upload(context, torch.int32)
                 )
                 meta.decode_flex = self.flex.step(len(decodes))
-            elif self.fused:  # Parley's CPU kernel reads the blocks in place
+            else:  # the CPU path
                 meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
-                meta.decode_lens = torch.tensor(context, dtype=torch.int64)
-            else:  # gathered blocks + SDPA
-                meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
-                lens = torch.tensor(context)
-                keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
-                mask = additive_mask(keep, self.kv_cache.tensor.dtype)  # once, not per layer
-                meta.decode_mask = mask[:, None, None, :]
+                lens = torch.tensor(context, dtype=torch.int64)
+                if self.fused:  # Parley's CPU kernel reads the blocks in place
+                    meta.decode_lens = lens
+                else:  # gathered blocks + SDPA, through a mask built once, not per layer
+                    keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
+                    mask = additive_mask(keep, self.kv_cache.tensor.dtype)
+                    meta.decode_mask = mask[:, None, None, :]
             logits_indices.extend(range(len(decodes)))
             sampling.extend(s.request for s in decodes)
             sample_rows.extend(range(len(decodes)))

@@ -198,11 +198,11 @@ class FusedCpuOps(TorchOps):
 def _int4_stack(model: LlamaModel, dtype: torch.dtype) -> list[torch.Tensor]:
     """Every layer's int4 (packed, scale_zero) for qkv, o_proj, gate_up and down, then its
     two norms' weights; empty unless every linear is int4 in `dtype` without a bias."""
-    from app.model.quant.int4 import Int4Linear
+    from app.model.quant.int4 import LINEARS, Int4Linear
 
     out: list[torch.Tensor] = []
     for layer in model.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
+        for name in LINEARS:  # qkv, o_proj, gate_up, down: the order decode_layers reads
             lin = getattr(layer, name)
             if not isinstance(lin, Int4Linear) or lin.dtype != dtype or lin.bias is not None:
                 return []
