@@ -25,6 +25,10 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int kLanes = 16;  // partial sums kept apart, so that sums vectorize without -ffast-math
@@ -43,6 +47,24 @@ inline float lane_sum(int64_t n, F term) {
     for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
   return lanes[0];
 }
+
+// lane_sum(D, q[d] * k[d]) for D a multiple of kLanes, the same sums in the same order, in
+// AVX-512 registers: lane l's partial sum is one vector lane, and the tree is three halvings
+// and a last add. (gcc does not see that the scalar lane_sum's tree is this.)
+#ifdef __AVX512F__
+template <int64_t kD>
+inline float dot_lanes(const float* q, const float* k) {
+  static_assert(kD % kLanes == 0 && kLanes == 16, "one vector a chunk");
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kD; i += kLanes)
+    lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i)));
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(lanes),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
 
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -71,6 +93,37 @@ inline float exp_neg(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// s[j] = exp_neg(s[j] - m) for j < n. AVX-512 takes 16 at a time with exp_neg's own
+// operations in its order, so each value is the scalar one's bits (gcc leaves the scalar
+// loop unvectorized).
+inline void exp_shifted(float* s, int64_t n, float m) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const auto f = [](float c) { return _mm512_set1_ps(c); };
+  const __m512 vm = f(m);
+  for (; j + 16 <= n; j += 16) {
+    __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j), vm);
+    x = _mm512_max_ps(f(-87.0f), x);  // x < -87 ? -87 : x, a NaN kept as the scalar keeps it
+    const __m512 k = _mm512_roundscale_ps(
+        _mm512_add_ps(_mm512_mul_ps(x, f(1.44269504088896341f)), f(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, f(0.693359375f))),
+                                   _mm512_mul_ps(k, f(2.12194440e-4f)));
+    __m512 p = f(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), f(1.0f));
+    const __m512i bits =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+    _mm512_storeu_ps(s + j, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+  }
+#endif
+  for (; j < n; ++j) s[j] = exp_neg(s[j] - m);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -215,7 +268,8 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 // q: (B, H, D), one token per sequence; caches (num_blocks, block_size, Hkv, D); tables
 // (B, max_blocks) int64; lens (B,) int64, the keys each sequence attends to. The G query
 // heads that share a K/V head are computed together, so each key is read once for them.
-// Work is split into (sequence, K/V head, span of kSpan keys) items; a sequence's spans
+// Work is split into (sequence, span of kSpan keys, K/V head) items, in that order, so a
+// thread reads a span's heads one after the other while their lines are near; a sequence's spans
 // are fixed by position and combined in order by their log-sum-exp in fp32, so the result
 // depends on the sequence alone, never on its batch or the thread count. Scores,
 // probabilities and sums stay in fp32; the output is rounded to the dtype once. (Measured
@@ -237,36 +291,52 @@ void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* 
   const int64_t D = kD ? kD : head_dim;
   const int64_t n = last - first;
   float row[kMaxHeadDim];
-  // Head h's row of the key or value at `pos`, widened to fp32 into `row`.
-  const auto load = [&](const T* cache, int64_t pos) {
-    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-    const T* p = cache + (slot * kv_heads + h) * D;
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(p[d]);
+  // f(j, p) for each key first + j of the span, p its head-h row in `cache`: a block's rows
+  // are kv_heads * D apart, so the table is read once a block, not divided into per key.
+  const auto for_rows = [&](const T* cache, auto f) {
+    for (int64_t pos = first; pos < last;) {
+      const int64_t block = pos / block_size;
+      const int64_t stop = std::min(last, (block + 1) * block_size);
+      const T* p = cache + ((table[block] * block_size + pos % block_size) * kv_heads + h) * D;
+      if (stop < last) {  // the next block's rows, asked for while this block's are read
+        const T* next = cache + (table[block + 1] * block_size * kv_heads + h) * D;
+        for (int64_t r = 0; r < std::min(block_size, last - stop); ++r)
+          for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(next + r * kv_heads * D) + b);
+      }
+      for (; pos < stop; ++pos, p += kv_heads * D) f(pos - first, p);
+    }
   };
-  for (int64_t j = 0; j < n; ++j) {
-    load(k_cache, first + j);
+  for_rows(k_cache, [&](int64_t j, const T* p) {
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(p[d]);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
+#ifdef __AVX512F__
+      if constexpr (kD > 0 && kD % kLanes == 0) {
+        scores[g * n + j] = dot_lanes<kD>(qg, row);
+        continue;
+      }
+#endif
       scores[g * n + j] = lane_sum(D, [&](int64_t d) { return qg[d] * row[d]; });
     }
-  }
+  });
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-    for (int64_t j = 0; j < n; ++j) sg[j] = exp_neg(sg[j] - m);
+    exp_shifted(sg, n, m);
     max_out[g] = m;
     sum_out[g] = lane_sum(n, [&](int64_t j) { return sg[j]; });
   }
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    load(v_cache, first + j);
+  for_rows(v_cache, [&](int64_t j, const T* p) {
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(p[d]);
     for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * n + j];
+      const float pj = scores[g * n + j];
       float* a = acc + g * D;
-      for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+      for (int64_t d = 0; d < D; ++d) a[d] += pj * row[d];
     }
-  }
+  });
 }
 
 template <typename T>
@@ -292,8 +362,7 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
                 first_item.begin() - 1;
     for (int64_t it = begin; it < end; ++it) {
       while (it >= first_item[b + 1]) ++b;
-      const int64_t spans = (first_item[b + 1] - first_item[b]) / kv_heads;
-      const int64_t h = (it - first_item[b]) / spans, span = (it - first_item[b]) % spans;
+      const int64_t span = (it - first_item[b]) / kv_heads, h = (it - first_item[b]) % kv_heads;
       const T* qb = q + (b * H + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = widen(qb[i]) * scale;
       const int64_t first = span * kSpan, last = std::min(lens[b], first + kSpan);
@@ -313,17 +382,17 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / kv_heads, h = bh % kv_heads;
       const int64_t spans = (first_item[b + 1] - first_item[b]) / kv_heads;
-      const int64_t it0 = first_item[b] + h * spans;
+      const auto item = [&](int64_t s) { return first_item[b] + s * kv_heads + h; };
       for (int64_t g = 0; g < G; ++g) {
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < spans; ++s) m = std::max(m, stats[(it0 + s) * 2 * G + g]);
+        for (int64_t s = 0; s < spans; ++s) m = std::max(m, stats[item(s) * 2 * G + g]);
         float total = 0.f;
         std::fill(o.begin(), o.end(), 0.f);
         for (int64_t s = 0; s < spans; ++s) {
-          const float* st = stats.data() + (it0 + s) * 2 * G;
+          const float* st = stats.data() + item(s) * 2 * G;
           const float w = spans == 1 ? 1.0f : exp_neg(st[g] - m);
           total += w * st[G + g];
-          const float* a = partial.data() + ((it0 + s) * G + g) * D;
+          const float* a = partial.data() + (item(s) * G + g) * D;
           for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
         }
         T* y = out + (b * H + h * G + g) * D;
