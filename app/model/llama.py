@@ -33,9 +33,9 @@ class RMSNorm(nn.Module):
     rows differently, and a served reply's logprobs then parted from a prefill's by more
     than bf16's usual margin (tests/server/openai/test_features.py)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,17 +212,17 @@ def _int4_stack(model: LlamaModel, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device)
         self.qkv = nn.Linear(
-            arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias
+            arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias, device
         )
-        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
-        self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, False, device)
+        self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device)
+        self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, False, device)
+        self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, False, device)
         self.scale = arch.head_dim**-0.5
         self.ops = TorchOps()
 
@@ -257,18 +257,32 @@ class LlamaModel(nn.Module):
     `logits_indices` (the LM head is the largest matmul of a small model: it never runs
     for tokens in the middle of a prompt)."""
 
-    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        max_positions: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """The parameters on `device` ("meta" for a skeleton whose weights are then assigned
+        from a checkpoint); the rotary tables, computed rather than loaded, in `dtype` on the
+        CPU. The meta device is passed, not set as a default (`with torch.device("meta")`):
+        under that mode, random init and arange reach PyTorch's Python references, whose
+        import (torch._dynamo) holds ~150 MiB of memory for the process's life."""
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Given a weight, the embedding skips its random init (normal_, which imports the
+        # same references); the checkpoint's replaces it.
+        table = torch.empty(arch.vocab_size, arch.hidden_size, device=device)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=table)
+        self.layers = nn.ModuleList(DecoderLayer(arch, device) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device)
         self.lm_head = (
             None
             if arch.tie_word_embeddings
-            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            else nn.Linear(arch.hidden_size, arch.vocab_size, False, device)
         )
-        self.rotary = Rotary(arch, max_positions)
+        self.rotary = Rotary(arch, max_positions).to(dtype)
         self.packed_lm_head: nn.Module | None = None
         self.ops: TorchOps = TorchOps()
 
@@ -344,10 +358,9 @@ class LlamaModel(nn.Module):
     def from_weights(
         cls, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int
     ) -> LlamaModel:
-        """Build on the meta device, then adopt the loaded tensors without copying."""
-        with torch.device("meta"):
-            model = cls(arch, max_positions)
+        """Build on the meta device, then adopt the loaded tensors without copying.
+        The rotary tables compute in the weights' dtype."""
+        dtype = weights["embed_tokens.weight"].dtype
+        model = cls(arch, max_positions, dtype, device="meta")
         model.load_state_dict(weights, strict=True, assign=True)
-        # Buffers are not in the checkpoint; they compute in the weights' dtype.
-        model.rotary = Rotary(arch, max_positions).to(model.embed_tokens.weight.dtype)
         return model.eval().requires_grad_(False)

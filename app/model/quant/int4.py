@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from app.model.arch import ArchConfig
-from app.model.llama import LlamaModel, Rotary
+from app.model.llama import LlamaModel
 from app.model.packed_linear import pack_weight, packable, packing_available
 
 GROUP = 32  # weights per scale/zero pair; GGUF's Q4 block size
@@ -250,8 +250,7 @@ def model_from_int4(
     the norms, biases, and the LM head. (Rounded to 4 bits the LM head costs the default
     model 4.6% perplexity and 14 of 20 greedy replies: see bench/README.md, "int4 weights".)
     Consumes `linears`."""
-    with torch.device("meta"):
-        model = LlamaModel(arch, max_positions)
+    model = LlamaModel(arch, max_positions, dtype, device="meta")
     float_names = []
     for i, layer in enumerate(model.layers):
         for name in LINEARS:
@@ -266,5 +265,4 @@ def model_from_int4(
     if packing_available() and packable(dtype):
         model.packed_lm_head = pack_weight(model.lm_head_weight.detach())
         model.lm_head = None
-    model.rotary = Rotary(arch, max_positions).to(dtype)
     return model.eval().requires_grad_(False)

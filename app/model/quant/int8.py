@@ -182,10 +182,8 @@ def quantized_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
 def model_from_quantized(arch, state: dict[str, torch.Tensor], max_positions: int) -> LlamaModel:
     """Rebuild the int8 model from quantized_state_dict() without any fp32 linear.
     Consumes `state`: each int8 weight leaves it (and memory) once packed."""
-    from app.model.llama import Rotary
 
-    with torch.device("meta"):
-        model = LlamaModel(arch, max_positions)
+    model = LlamaModel(arch, max_positions, device="meta")
     plain = {k: v for k, v in state.items() if not k.endswith((".qweight", ".scale"))}
     for i, layer in enumerate(model.layers):
         for name in ("qkv", "o_proj", "gate_up", "down"):
@@ -197,5 +195,4 @@ def model_from_quantized(arch, state: dict[str, torch.Tensor], max_positions: in
     model.packed_lm_head = Int8Linear(q, scale, None)
     model.lm_head = None
     model.load_state_dict(plain, strict=True, assign=True)
-    model.rotary = Rotary(arch, max_positions)
     return model.eval().requires_grad_(False)
