@@ -35,7 +35,7 @@ from app.engine.kv_cache import KVCache
 from app.kvtier.backends import open_tier
 from app.kvtier.cost import LoadCostModel
 from app.kvtier.entry import BadEntry, EntryLayout, decode_into
-from app.kvtier.fingerprint import ModelFingerprint, weights_digest
+from app.kvtier.fingerprint import ModelFingerprint, checkpoint_digest, weights_digest
 from app.kvtier.stats import TierCounters, TierStats
 from app.kvtier.store_worker import StoreWorker
 from app.kvtier.tier import Tier, TierUnavailable
@@ -244,8 +244,9 @@ class KVOffload:
 def model_fingerprint(loaded: LoadedModel, fmt: WeightFormat, block_size: int) -> ModelFingerprint:
     """What K/V in the tier must have been computed with to be valid here (the format as
     resolved: "auto" means different things on different CPUs)."""
+    source = loaded.source
     return ModelFingerprint(
-        weights=weights_digest(loaded.weights),
+        weights=weights_digest(loaded.weights) if source is None else checkpoint_digest(source),
         arch=repr(loaded.arch),
         dtype=fmt.dtype,
         quantization=fmt.quantization,

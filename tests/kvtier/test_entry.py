@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from app.kvtier.entry import BadEntry, EntryLayout, decode_into, encode
-from app.kvtier.fingerprint import ModelFingerprint, weights_digest
+from app.kvtier.fingerprint import ModelFingerprint, checkpoint_digest, weights_digest
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block_size, kv_heads, head_dim
 KEY = bytes(range(16))
@@ -91,3 +91,27 @@ def test_the_fingerprint_follows_the_weights_content_and_the_settings():
     assert fingerprint(w).digest != fingerprint(w, arch="tiny, rope 1e6").digest
     assert fingerprint(w).digest != fingerprint(w, layout_version=99).digest
     assert len(fingerprint(w).hex) == 32
+
+
+def test_a_checkpoint_on_disk_is_known_by_every_byte_of_its_weights(tmp_path):
+    """The served model's identity is its file's content, wherever the file lies; a folder's
+    weights and config count, other files in it do not."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+        (d / "config.json").write_text('{"hidden_size": 8}')
+    (two / "README.md").write_text("not the weights")
+    assert checkpoint_digest(one) == checkpoint_digest(two)
+    data = bytearray((two / "model.safetensors").read_bytes())
+    data[700_000] ^= 1  # one bit, deep inside
+    (two / "model.safetensors").write_bytes(bytes(data))
+    assert checkpoint_digest(one) != checkpoint_digest(two)
+    (one / "config.json").write_text('{"hidden_size": 9}')
+    assert checkpoint_digest(one) != checkpoint_digest(one / "model.safetensors")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    moved = tmp_path / "elsewhere.gguf"
+    moved.write_bytes(gguf.read_bytes())
+    assert checkpoint_digest(gguf) != checkpoint_digest(one)
+    assert checkpoint_digest(gguf) == checkpoint_digest(moved)  # another name, same bytes
