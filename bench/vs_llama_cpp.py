@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -180,8 +182,13 @@ async def scenario(servers: list[Server], name: str, make, repeats: int) -> dict
     got: dict[str, list[dict]] = {s.name: [] for s in servers}
     for run in range(repeats):
         for s in servers if run % 2 == 0 else servers[::-1]:
+            # A connection a request: llama-server (cpp-httplib) closes a kept-alive
+            # connection after a few requests, and a request sent on it as it closes fails
+            # ("Connection error", always in the turns scenario: 6 requests a user).
+            http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0),
+                                     timeout=1200)  # fmt: skip
             client = openai.AsyncOpenAI(base_url=s.base, api_key="unused", max_retries=0,
-                                        timeout=1200)  # fmt: skip
+                                        http_client=http)  # fmt: skip
             try:
                 model = (await client.models.list()).data[0].id
                 got[s.name].append(await make(client, model, f"{name}-{run}"))
