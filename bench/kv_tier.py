@@ -6,6 +6,8 @@ restored from each tier against recomputing it.
     python bench/kv_tier.py --part restore                    # restore vs recompute only
     python bench/kv_tier.py --part workload --users 24        # a smaller workload
     python bench/kv_tier.py --part workload --pairs memory:big,redis:big,memory:off
+    python bench/kv_tier.py --part workload --pairs memory:off \
+        --server-flags "--quantization none --dtype float32"   # the fp32 reference
 
 Workload: bench/ws_load.py's simulated users over /ws (closed loop, one conversation
 each), every turn after the first a 150-300 word paste, greedy replies of --max-tokens
@@ -227,7 +229,8 @@ def flags_for(name: str, args, redis_url: str | None) -> list[str]:
 @contextlib.contextmanager
 def server(flags: list[str], args, threads: int | None = None):
     threads = threads or args.threads
-    proc, url = start(["--threads", str(threads), "--max-num-seqs", str(args.max_num_seqs), *flags])
+    proc, url = start(["--threads", str(threads), "--max-num-seqs", str(args.max_num_seqs),
+                       *args.server_flags.split(), *flags])  # fmt: skip
     try:
         yield url
     finally:
@@ -312,12 +315,17 @@ def compare_pairs(pairs: list[tuple[str, str, dict, dict]]) -> list[dict]:
             "wall_s": [ra["wall_s"], rb["wall_s"]],
             "wall_ratio": ra["wall_s"] / rb["wall_s"],
             "replies_identical": replies(ra) == replies(rb),
+            "replies_differing": sum(
+                reply != replies(rb).get(key) for key, reply in replies(ra).items()
+            ),
         }
         out.append(row)
         print(f"   {row['pair']:16s} TTFT p50 turns 2-6 {ra['ttft_p50_turns_2_6'] * 1000:6.0f} / "
               f"{rb['ttft_p50_turns_2_6'] * 1000:6.0f} ms = {row['ttft_ratio']:.2f}x   total "
               f"{ra['wall_s']:6.1f} / {rb['wall_s']:6.1f} s = {row['wall_ratio']:.2f}x   "
-              f"replies identical: {row['replies_identical']}", flush=True)  # fmt: skip
+              f"replies identical: {row['replies_identical']} "
+              f"({row['replies_differing']} of {len(ra['records'])} differ)",
+              flush=True)  # fmt: skip
     return out
 
 
@@ -368,6 +376,8 @@ def main() -> None:
     ap.add_argument("--history-tokens", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--server-flags", default="", help="more flags for each server (fp32: "
+                    '"--quantization none --dtype float32")')  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=7200.0)
     ap.add_argument("--out", default="bench/results/kv_tier.json")
