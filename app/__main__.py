@@ -77,7 +77,7 @@ FLAGS: list[tuple[str, dict]] = [
     ),
     (
         "--itl-target-ms",
-        dict(type=float, default=None, help="inter-token target (default: 1.5x a decode step)"),
+        dict(type=float, default=None, help="inter-token target (default: 10x a decode step)"),
     ),
     ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
     (

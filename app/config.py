@@ -132,7 +132,7 @@ class SchedulerConfig:
     # "adaptive": budgets from a measured cost model and an inter-token target, shortest
     # prompt first with aging (app.engine.policy); "static": the fixed chunk above, FCFS.
     batching: str = "adaptive"
-    itl_target_ms: float | None = None  # None: 1.5x the measured decode-only step
+    itl_target_ms: float | None = None  # None: 10x the measured decode-only step
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

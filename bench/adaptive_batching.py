@@ -123,6 +123,10 @@ def summarize(rec: Recorder, wall: float, target: float | None) -> dict:
         "itl_p99": itl["p99"],
         "prompt_tokens_mean": sum(t.prompt_tokens for t in ok) / max(len(ok), 1),
         "itl_target_ms": target,
+        # each request: (sent, s after the run's start; prompt tokens; TTFT s), for the tail
+        "turns": [
+            (round(t.sent_at - rec.started, 3), t.prompt_tokens, t.ttft_s) for t in rec.turns
+        ],
     }
 
 
@@ -208,7 +212,12 @@ def main() -> None:
         results[rate] = {}
         for policy in ("static", "adaptive"):
             results[rate][policy] = run_policy(policy, flags, arrivals, args)
-            print(rate, policy, json.dumps(results[rate][policy]), file=sys.stderr)
+            print(
+                rate,
+                policy,
+                json.dumps({k: v for k, v in results[rate][policy].items() if k != "turns"}),
+                file=sys.stderr,
+            )
     text = table(capacity, results, args)
     print(text)
     out = ROOT / args.out

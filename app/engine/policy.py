@@ -6,16 +6,27 @@ Budget (Sarathi-Serve's stall-free batching, with the budget from a measured cos
 instead of a constant): while requests decode, every one of them waits for the whole
 step, so a step takes as many prefill tokens as keep its predicted time within the
 inter-token target. With nothing decoding, a prompt takes the whole token budget (time
-to first token as good as one forward). A deep queue stretches the target up to
-DRAIN_STRETCH times: a short wait for those decoding drains the queue sooner.
+to first token as good as one forward).
 
-Admission order: shortest remaining prefill first, so a short question is not held
-behind a 2,000-token paste, with aging: a request that has waited more than
-AGING_MULTIPLE times its own predicted prefill time, plus AGING_FLOOR_S, becomes urgent,
-and urgent requests go first in arrival order. The bound: a request waits at most
-AGING_MULTIPLE x its own prefill time + AGING_FLOOR_S before it is urgent, and after that
-only requests that arrived before it go first, as they would first come, first served.
-A preempted request is urgent at once (it has made progress to lose).
+The default target is AUTO_TARGET_FACTOR times the measured decode-only step: a step whose
+decodes are a tenth of it, so that prompts computed beside decodes run at ~90% of their
+rate alone. A queue drains at the rate prompts are computed, and with the old default
+(1.5x, chunks of a few tokens beside every decode step, each paying the step's fixed
+cost) prompts went at about half their rate under load: time to first token p99 grew
+with the queue, and every step overran the target anyway (inter-token p99 10-12x it).
+The target is a promise to those decoding: a deep queue does not stretch it.
+
+Order: shortest remaining prefill first, so a short question is not held behind a
+2,000-token paste, with aging: a request that has waited more than AGING_MULTIPLE times
+its own predicted prefill time, plus AGING_FLOOR_S, becomes urgent, and urgent requests
+go first in arrival order. The bound: a request waits at most AGING_MULTIPLE x its own
+prefill time + AGING_FLOOR_S before it is urgent, and after that only requests that
+arrived before it go first, as they would first come, first served. A preempted request
+is urgent at once (it has made progress to lose). The order decides admissions and also
+which prompt under way takes a step's budget first; only that one is owed MIN_CHUNK
+tokens when the target leaves none. The aging is short on purpose: in a burst of long
+pastes the slowest first token is the longest paste's, and shortest-first with a long
+bound (4x + 2 s, measured) served it last, after the whole burst.
 """
 
 from __future__ import annotations
@@ -29,12 +40,11 @@ from app.config import SchedulerConfig
 from app.engine.cost_model import StepCostModel, StepShape
 from app.engine.request import Request
 
-AUTO_TARGET_FACTOR = 1.5  # auto target: this x the recent decode-only step time
+AUTO_TARGET_FACTOR = 10.0  # auto target: this x the recent decode-only step time
 DEFAULT_TARGET_S = 0.1  # until a decode-only step has been measured
-DRAIN_STRETCH = 2.0
-AGING_MULTIPLE = 4.0
-AGING_FLOOR_S = 2.0
-MIN_CHUNK = 16  # a prompt always progresses beside decodes, whatever the target
+AGING_MULTIPLE = 0.5
+AGING_FLOOR_S = 0.5
+MIN_CHUNK = 16  # one prompt a step progresses beside decodes, whatever the target
 
 
 # A prompt token attending to this many earlier tokens costs about twice one attending to
@@ -71,6 +81,9 @@ class StaticPolicy:
     def next_index(self, waiting: Sequence[Request], now: float | None = None) -> int:
         return 0
 
+    def prefill_order(self, prefills: list[Request], now: float | None = None) -> list[Request]:
+        return prefills  # admission order
+
 
 class AdaptivePolicy:
     """Per-step prefill budgets and the admission order, from a StepCostModel."""
@@ -91,10 +104,6 @@ class AdaptivePolicy:
             return DEFAULT_TARGET_S
         return AUTO_TARGET_FACTOR * statistics.median(self._decode_steps)
 
-    def step_target_s(self, queue_depth: int) -> float:
-        stretch = 1 + (DRAIN_STRETCH - 1) * min(1.0, queue_depth / self.cfg.max_num_seqs)
-        return self.itl_target_s() * stretch
-
     def prefill_tokens(
         self, step: StepShape, computed: int, remaining: int, budget: int, queue_depth: int
     ) -> int:
@@ -105,7 +114,7 @@ class AdaptivePolicy:
             return 0
         if step.decodes == 0:
             return most  # nobody waits on this step's time
-        target = self.step_target_s(queue_depth)
+        target = self.itl_target_s()
         if self.cost.predict(step.plus_prefill(most, computed)) <= target:
             return most
         # The largest chunk within the target (cost grows with n: binary search).
@@ -116,6 +125,8 @@ class AdaptivePolicy:
                 lo = mid
             else:
                 hi = mid - 1
+        if step.prefill_tokens:
+            return lo  # another prompt already progresses this step
         return max(lo, min(MIN_CHUNK, most))
 
     def observe(self, step: StepShape, seconds: float) -> None:
@@ -144,6 +155,21 @@ class AdaptivePolicy:
             if self.is_urgent(request, now):
                 return i  # the first urgent one: arrival order among them
         return min(range(len(waiting)), key=lambda i: waiting[i].num_tokens)
+
+    def prefill_order(self, prefills: list[Request], now: float | None = None) -> list[Request]:
+        """The order in which prompts already under way take this step's prefill budget:
+        the same rule as admission (urgent ones in arrival order, then the least left to
+        compute). In admission order, the oldest prompt under way, often a long paste,
+        took the whole target each step and a short question admitted after it crept
+        along at MIN_CHUNK tokens a step."""
+        now = time.monotonic() if now is None else now
+
+        def key(request: Request) -> tuple[bool, float]:
+            if self.is_urgent(request, now):
+                return (False, request.timings.arrival)
+            return (True, request.num_tokens - request.num_computed_tokens)
+
+        return sorted(prefills, key=key)
 
 
 BatchPolicy = StaticPolicy | AdaptivePolicy

@@ -118,7 +118,7 @@ class Scheduler:
                 budget -= 1
                 shape = shape.plus_decode(req.num_tokens)
         prefill_budget = budget
-        for req in prefills:
+        for req in self.policy.prefill_order(prefills):
             if prefill_budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:

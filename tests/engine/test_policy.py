@@ -11,7 +11,7 @@ from app.engine.cost_model import MIN_STEPS, StepCostModel, StepShape
 from app.engine.policy import (
     AGING_FLOOR_S,
     AGING_MULTIPLE,
-    DRAIN_STRETCH,
+    AUTO_TARGET_FACTOR,
     MIN_CHUNK,
     AdaptivePolicy,
 )
@@ -65,23 +65,31 @@ def test_nothing_decoding_means_the_whole_budget():
     assert p.prefill_tokens(StepShape(), 0, 5000, 2048, 0) == 2048
 
 
-def test_a_prompt_always_progresses_and_a_deep_queue_stretches_the_target():
+def test_a_prompt_always_progresses_and_a_deep_queue_keeps_the_target():
     p = policy(target_ms=1.0, max_num_seqs=16)  # decodes alone exceed the target
     step = StepShape().plus_decode(100)
     assert p.prefill_tokens(step, 0, 1000, 2048, 0) == MIN_CHUNK
+    # One prompt a step is owed its MIN_CHUNK, not every one: k prompts under way would
+    # otherwise add k bites to a step already over the target.
+    assert p.prefill_tokens(step.plus_prefill(MIN_CHUNK, 0), 0, 1000, 2048, 0) == 0
     p = policy(target_ms=50.0, max_num_seqs=16)
     shallow = p.prefill_tokens(step, 0, 5000, 4096, queue_depth=0)
     deep = p.prefill_tokens(step, 0, 5000, 4096, queue_depth=16)
-    assert deep > shallow
-    assert p.step_target_s(16) == pytest.approx(DRAIN_STRETCH * p.step_target_s(0))
+    assert deep == shallow  # the target is a promise to those decoding
+    assert true_time(step.plus_prefill(deep, 0)) <= 0.050
 
 
 def test_the_auto_target_follows_the_measured_decode_step():
+    """AUTO_TARGET_FACTOR x the decode-only step: decodes a tenth of a step, so prompts
+    computed beside them keep ~90% of their rate alone."""
     p = policy(target_ms=None)
     decode_only = StepShape().plus_decode(100)
     for _ in range(20):
-        p.observe(decode_only, 0.040)
-    assert p.itl_target_s() == pytest.approx(0.060)
+        p.observe(decode_only, 0.010)
+    assert p.itl_target_s() == pytest.approx(AUTO_TARGET_FACTOR * 0.010)
+    step = decode_only.plus_decode(100)
+    n = p.prefill_tokens(step, computed=0, remaining=5000, budget=4096, queue_depth=0)
+    assert true_time(step) / true_time(step.plus_prefill(n, 0)) < 0.15
 
 
 def request(rid: str, n: int, arrival: float, preempted: int = 0) -> Request:
@@ -101,6 +109,21 @@ def test_a_preempted_request_goes_first():
     p = policy()
     waiting = [request("back", 900, 0.0, preempted=1), request("short", 30, 0.1)]
     assert p.next_index(waiting, now=0.2) == 0
+
+
+def test_prompts_under_way_take_the_budget_by_the_same_rule():
+    """Among prompts already being computed, the one with the least left goes first, so
+    a short question admitted after a long paste is not held to MIN_CHUNK bites; a prompt
+    past its aging bound goes before both."""
+    p = policy()
+    paste = request("paste", 2000, 0.0)
+    paste.num_computed_tokens = 200
+    question = request("question", 60, 0.5)
+    order = p.prefill_order([paste, question], now=1.0)
+    assert [r.request_id for r in order] == ["question", "paste"]
+    late = AGING_MULTIPLE * p.prefill_seconds(paste) + AGING_FLOOR_S + 1.0
+    order = p.prefill_order([paste, question], now=late)
+    assert [r.request_id for r in order] == ["paste", "question"]
 
 
 def test_no_request_starves_behind_a_stream_of_short_ones():
