@@ -58,8 +58,8 @@ inline float dot_lanes(const float* q, const float* k) {
   __m512 lanes = _mm512_setzero_ps();
   for (int64_t i = 0; i < kD; i += kLanes)
     lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i)));
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(lanes),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1));
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(lanes), high);
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
@@ -78,16 +78,18 @@ inline float stored(float x) {
 // exp(x) for x <= 0 (softmax arguments), written so that loops over it vectorize:
 // 2^n * p(r) with r in [-ln2/2, ln2/2] and Cephes' degree-7 polynomial for expf; within
 // ~2 ulp of expf. Arguments below -87 are taken as -87 (exp ~1e-38, never a denormal).
+constexpr float kExpFloor = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;  // ln 2 = hi - lo
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_neg(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x < kExpFloor ? kExpFloor : x;
+  const float n = std::floor(x * kLog2e + 0.5f);
+  const float r = (x - n * kLn2Hi) + n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.0f;
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -105,18 +107,13 @@ inline void exp_shifted(float* s, int64_t n, float m) {
   const __m512 vm = f(m);
   for (; j + 16 <= n; j += 16) {
     __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j), vm);
-    x = _mm512_max_ps(f(-87.0f), x);  // x < -87 ? -87 : x, a NaN kept as the scalar keeps it
-    const __m512 k = _mm512_roundscale_ps(
-        _mm512_add_ps(_mm512_mul_ps(x, f(1.44269504088896341f)), f(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, f(0.693359375f))),
-                                   _mm512_mul_ps(k, f(2.12194440e-4f)));
-    __m512 p = f(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), f(5.0000001201e-1f));
+    x = _mm512_max_ps(f(kExpFloor), x);  // x < floor ? floor : x, a NaN kept as the scalar keeps it
+    const __m512 k = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, f(kLog2e)), f(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, f(kLn2Hi))),
+                                   _mm512_mul_ps(k, f(kLn2Lo)));
+    __m512 p = f(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_add_ps(_mm512_mul_ps(p, r), f(kExpPoly[i]));
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), f(1.0f));
     const __m512i bits =
         _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);

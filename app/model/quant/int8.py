@@ -182,7 +182,6 @@ def quantized_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
 def model_from_quantized(arch, state: dict[str, torch.Tensor], max_positions: int) -> LlamaModel:
     """Rebuild the int8 model from quantized_state_dict() without any fp32 linear.
     Consumes `state`: each int8 weight leaves it (and memory) once packed."""
-
     model = LlamaModel(arch, max_positions, device="meta")
     plain = {k: v for k, v in state.items() if not k.endswith((".qweight", ".scale"))}
     for i, layer in enumerate(model.layers):
