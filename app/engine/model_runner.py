@@ -205,7 +205,10 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context = start + n
             chunk = PrefillChunk(first, n, context, None, None)
-            if start > 0:  # continues a cached prefix: attend through the block table
+            if self.fused:  # Parley's CPU kernel, over the cache in place, row by row
+                chunk.block_table = torch.tensor(table[: -(-context // bs)], dtype=torch.int64)
+                meta.prefill_in_place = True
+            elif start > 0:  # continues a cached prefix: attend through the block table
                 chunk.block_table = torch.tensor(table[: -(-context // bs)], dtype=torch.int64)
                 chunk.mask = prefix_mask(start, n, self.query_groups, self.kv_cache.tensor.dtype)
             meta.prefills.append(chunk)

@@ -23,6 +23,15 @@ the prefill chunks, each a contiguous run of tokens of one sequence. Every layer
    round as in the whole prompt's pass, except for chunks of a row or few, for which the
    flash kernel takes another path (tests/model/test_attention.py).
 
+Where Parley's CPU kernels are loaded (the default for int4 weights on the CPU), steps 2
+and 3 run in C++ over the cache in place instead: decodes through paged_decode, each
+prefill chunk through paged_prefill (AttentionMetadata.decode_lens, .prefill_in_place).
+The two compute a position's row in the same operations in the same order, so its bits
+depend on nothing but its query and the keys before it: not on the batch, the chunking,
+the prefix cache, nor on whether the token was decoded or came in a prompt. Through
+PyTorch's SDPA above, a chunk of a few rows rounds apart from the whole prompt's pass,
+and a decode apart from both.
+
 The masks and index tensors are built once per step (AttentionMetadata) and shared by all
 layers, so the Python work per layer does not grow with the number of decoding sequences.
 Measured on 2 CPU cores: one gather + SDPA beats per-sequence calls 2-4x at 8-32
@@ -74,6 +83,10 @@ class AttentionMetadata:
     # instead of the gathered tables and mask above. Always None on the CPU.
     decode_flex: PagedDecode | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Where Parley's CPU kernels are loaded: every prefill chunk attends over the cache in
+    # place through its block table (kernels/cpu_kernels.cpp, paged_prefill), each row in
+    # the bits a decode at its position gets, whatever the chunking; no masks are built.
+    prefill_in_place: bool = False
 
 
 # A folded mask is built once a step in the cache's dtype: up to this many elements (8 MB
@@ -159,9 +172,14 @@ def attend(
     if n:
         out[:n] = _decode(q[:n], k_cache, v_cache, meta, scale)
     for p in meta.prefills:
+        s, e = p.start, p.start + p.num_tokens
+        if meta.prefill_in_place:
+            out[s:e] = torch.ops.parley.paged_prefill(
+                q[s:e], k_cache, v_cache, p.block_table, p.context_len - p.num_tokens, scale
+            )
+            continue
         # 4-D (1, heads, n, D) operands: PyTorch's CPU flash kernel takes these (3-D ones
         # with enable_gqa fall back to the math path, ~5x slower at 1,500 tokens).
-        s, e = p.start, p.start + p.num_tokens
         qs = q[s:e].transpose(0, 1)[None]  # (1, H, n, D)
         if p.block_table is None:  # a fresh prompt: its own K/V are the whole context
             ks, vs = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]

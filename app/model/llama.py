@@ -351,6 +351,9 @@ class LlamaModel(nn.Module):
         meta = AttentionMetadata(
             slot_mapping=positions + block, prefills=[PrefillChunk(0, n, n, None, None)]
         )
+        if self.ops.fused:  # the engine's attention: Parley's kernel over the blocks in place
+            meta.prefills[0].block_table = torch.arange(1, shape[0])
+            meta.prefill_in_place = True
         logits_at = positions if logits_at is None else logits_at.to(device)
         return self(torch.tensor(ids, device=device), positions, caches, meta, logits_at)
 

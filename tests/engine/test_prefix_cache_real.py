@@ -1,9 +1,10 @@
 """The prefix cache on the real model: a request that shares a long prefix with an earlier
 finished one reads it from cache and says exactly what it would have said without."""
 
+from dataclasses import replace
 from pathlib import Path
 
-from app.config import CacheConfig, EngineConfig, ModelConfig
+from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from app.engine.engine import LLMEngine
 from app.engine.request import SamplingParams
 from tests.engine.util import run
@@ -54,3 +55,49 @@ def test_shared_prefix_is_served_from_cache_with_identical_output(smollm, tokeni
     expected = run(plain)["second"]
     assert expected.cached_tokens == 0
     assert got.token_ids == expected.token_ids and got.text == expected.text
+
+
+def _collect(engine: LLMEngine, prompt: list[int], params: SamplingParams):
+    """(token ids, their logprobs, the prompt's logprobs, cached tokens) of one request."""
+    req = engine.add_request(None, prompt, params)
+    tokens, logprobs, prompt_logprobs, cached = [], [], None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == req.request_id
+            tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or []]
+            prompt_logprobs = out.prompt_logprobs or prompt_logprobs
+            cached = out.cached_tokens
+    return tokens, logprobs, prompt_logprobs, cached
+
+
+def test_default_format_a_token_has_the_same_bits_decoded_prompted_chunked_or_cached(
+    smollm, tokenizer
+):
+    """The default format (int4 weights; bf16 where the CPU has it) with Parley's CPU
+    kernels: every op computes a row on its own, attention included (paged_decode and
+    paged_prefill give a position the same bits). So a reply's tokens, decoded one by
+    one, get exactly the logprobs they get as a prompt scored whole, scored in chunks of
+    37 tokens, or decoded again after their first half came from the prefix cache."""
+    prompt = chat(tokenizer, f"{TEXT[0]}\n\nWhat is this about?")
+    engine = LLMEngine(EngineConfig(ModelConfig(), CacheConfig(256 << 20)), smollm)
+    assert engine.model.ops.fused  # the kernels are built on every machine the suite runs on
+    decode = SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True)
+    reply, want, _, _ = _collect(engine, prompt, decode)
+
+    score = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    for budget in (2048, 37):
+        scorer = LLMEngine(
+            EngineConfig(
+                ModelConfig(),
+                CacheConfig(256 << 20),
+                SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, batching="static"),
+            ),
+            smollm,
+        )
+        _, _, scored, _ = _collect(scorer, prompt + reply, score)
+        assert [lp.logprob for lp in scored[len(prompt) :]] == want, budget
+
+    tail, got, _, cached = _collect(engine, prompt + reply[:12], replace(decode, max_tokens=12))
+    assert cached >= len(prompt) // 16 * 16
+    assert tail == reply[12:] and got == want[12:]

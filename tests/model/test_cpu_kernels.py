@@ -3,6 +3,7 @@ the model with them against the model without."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -103,6 +104,45 @@ def test_paged_decode_against_float64_and_alone_as_batched(dtype, head_dim):
         assert torch.equal(alone[0], out[b])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 16])
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_paged_prefill_gives_each_row_a_decodes_bits(dtype, head_dim, block_size):
+    """A prompt chunk's rows, each attending to the keys up to its position, equal decodes
+    at those positions bit for bit: fresh prompts, chunks after a cached prefix (a long
+    one, a short follow-up, a single row), across the 512-key spans."""
+    H, Hkv = 9, 3
+    g = _gen(head_dim + block_size)
+    blocks = 1400 // block_size + 2
+    kc = torch.randn(blocks, block_size, Hkv, head_dim, generator=g).to(dtype)
+    vc = torch.randn(blocks, block_size, Hkv, head_dim, generator=g).to(dtype)
+    table = torch.randperm(blocks, generator=g)
+    scale = head_dim**-0.5
+    for start, n in [(0, 1), (0, 37), (0, 700), (300, 19), (510, 5), (1023, 1), (1000, 300)]:
+        q = torch.randn(n, H, head_dim, generator=g).to(dtype)
+        out = torch.ops.parley.paged_prefill(q, kc, vc, table, start, scale)
+        lens = torch.arange(start + 1, start + n + 1)
+        decodes = torch.ops.parley.paged_decode(q, kc, vc, table.expand(n, -1), lens, scale)
+        assert torch.equal(out, decodes), (start, n)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    ref = _reference_decode(q, kc, vc, table.expand(n, -1), lens)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+
+
+def test_a_prompt_in_chunks_attends_as_the_whole_prompt():
+    H, Hkv, D, bs = 9, 3, 64, 16
+    g = _gen(11)
+    kc = torch.randn(64, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(64, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    table = torch.randperm(64, generator=g)
+    q = torch.randn(900, H, D, generator=g).to(torch.bfloat16)
+    whole = torch.ops.parley.paged_prefill(q, kc, vc, table, 0, 0.125)
+    cuts = [0, 300, 301, 333, 900]
+    chunks = [torch.ops.parley.paged_prefill(q[a:b], kc, vc, table, a, 0.125)
+              for a, b in itertools.pairwise(cuts)]  # fmt: skip
+    assert torch.equal(torch.cat(chunks), whole)
+
+
 def test_paged_decode_close_to_the_gathered_sdpa_path():
     H, Hkv, D, bs = 9, 3, 64, 16
     g = _gen(3)
@@ -127,6 +167,10 @@ def test_bad_input_is_refused_with_a_reason():
                                       torch.tensor([33]), 0.25)  # fmt: skip
     with pytest.raises(RuntimeError, match="block 9 is outside the cache"):
         torch.ops.parley.paged_decode(q, kc, kc, torch.tensor([[0, 9]]), torch.tensor([20]), 0.25)
+    with pytest.raises(RuntimeError, match="exceed its block table"):
+        torch.ops.parley.paged_prefill(q, kc, kc, torch.tensor([0, 1]), 32, 0.25)
+    with pytest.raises(RuntimeError, match="block 9 is outside the cache"):
+        torch.ops.parley.paged_prefill(q, kc, kc, torch.tensor([0, 9]), 20, 0.25)
     rotary = Rotary(tiny_arch(32), 8)
     qkv = torch.zeros(1, (4 + 2 * 2) * 16)
     for pos, slot, why in ((0, 64, "slot 64 is outside"), (8, 0, "position 8 is past")):
@@ -225,7 +269,9 @@ def test_an_avx2_build_computes_the_same(tmp_path):
         tables = torch.stack([torch.randperm(64, generator=g)[:40] for _ in range(2)])
         out = dict(norm=torch.ops.parley.rms_norm(x, w, 1e-5),
                    attn=torch.ops.parley.paged_decode(q, kc, vc, tables, torch.tensor([7, 600]),
-                                                      0.125))
+                                                      0.125),
+                   prompt=torch.ops.parley.paged_prefill(q.repeat(20, 1, 1), kc, vc, tables[0],
+                                                         560, 0.125))
         torch.save(out, sys.argv[2])
         """
     )
@@ -237,6 +283,7 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     assert torch.equal(native["norm"], avx2["norm"])  # same lanes, same order, any width
     # The AVX-512 dot products and exponentials (intrinsics) against AVX2's portable loops.
     assert torch.equal(native["attn"], avx2["attn"])
+    assert torch.equal(native["prompt"], avx2["prompt"])
 
 
 def test_the_layer_stack_in_one_call_equals_layer_by_layer(smollm, monkeypatch):

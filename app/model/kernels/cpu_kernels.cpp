@@ -75,6 +75,25 @@ inline float stored(float x) {
   return widen(static_cast<T>(x));
 }
 
+// dst[d] = widen(src[d]) for d < n: bf16 is fp32's upper half, so 16 at a time with AVX-512.
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = widen(src[d]);
+}
+inline void widen_row(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  for (; d + 16 <= n; d += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = widen(src[d]);
+}
+
 // exp(x) for x <= 0 (softmax arguments), written so that loops over it vectorize:
 // 2^n * p(r) with r in [-ln2/2, ln2/2] and Cephes' degree-7 polynomial for expf; within
 // ~2 ulp of expf. Arguments below -87 are taken as -87 (exp ~1e-38, never a denormal).
@@ -95,6 +114,23 @@ inline float exp_neg(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// The largest of s[0 .. n), -inf for none. A maximum is exact in any order (the sign of a
+// zero aside, which the softmax's s - m does not see), so AVX-512 takes 16 at a time
+// where gcc would keep the scalar loop's chain of compares.
+inline float max_of(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#ifdef __AVX512F__
+  if (n >= 16) {
+    __m512 vm = _mm512_set1_ps(m);
+    for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+    m = _mm512_reduce_max_ps(vm);
+  }
+#endif
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
 }
 
 // s[j] = exp_neg(s[j] - m) for j < n. AVX-512 takes 16 at a time with exp_neg's own
@@ -319,8 +355,7 @@ void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* 
   });
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
+    const float m = max_of(sg, n);
     exp_shifted(sg, n, m);
     max_out[g] = m;
     sum_out[g] = lane_sum(n, [&](int64_t j) { return sg[j]; });
@@ -439,6 +474,291 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 }
 
 // ---------------------------------------------------------------------------------------
+// Prompt attention over the paged cache in place, row for row as paged_decode computes it.
+//
+// q: (n, H, D), n consecutive positions of one sequence, the first at `start`, their K/V
+// already in the cache; table: (blocks,) int64, the sequence's block table. Row r attends
+// to keys 0 .. start + r, causal. Each row's result is the bits paged_decode gives a
+// decode at that position: the same spans of kSpan keys, the same dot products, the same
+// softmax and the same combine, in the same order. So how a prompt is cut into chunks,
+// what was cached before it, and whether a token was decoded or came in a prompt change
+// nothing in its attention. (PyTorch's flash kernel rounds a row by the shape of its call:
+// a chunk of a few rows after a cached prefix, or a decode, comes out in other bits than
+// the same row in the whole prompt's pass.)
+//
+// Work is split into (K/V head, span, tile of kTileRows rows) items. An item widens its
+// span's K and V rows to fp32 once and reads them for all its rows' G query heads; with
+// AVX-512, a key block's 16 dot products are reduced together (reduce16 below), with the
+// same additions as dot_lanes makes for each alone.
+
+constexpr int64_t kTileRows = 16, kMaxTileRows = 48;
+
+#ifdef __AVX512F__
+// Sixteen dot_lanes trees at once: v[i] holds the 16 lane sums of dot product i (its
+// first loop in dot_lanes); the result's lane i is dot_lanes' sum for v[p(i)], with the
+// same pairs added at each level (lane l + lane l + 8, then + 4, + 2, + 1), so the bits
+// are dot_lanes'. Lane 4k + m ends up holding v[k + 4m]: callers put the vector for
+// output i at index kReduceSlot[i].
+constexpr int kReduceSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], u[4], t[2];
+  for (int i = 0; i < 8; ++i)  // lanes l + l + 8 of v[2i] | of v[2i + 1]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // + 4: a quad per vector, v[4i .. 4i + 3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // + 2, within each quad
+    t[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
+                       _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// One item: rows [r0, r1) of the chunk (positions start + r), K/V head h, keys
+// [first, first + kSpan). For each row r and query head g: its span max, sum and G x D
+// partial output at stats / partial, laid out as paged_decode's.
+template <typename T, int64_t kD>
+void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                  int64_t block_size, int64_t kv_heads, int64_t H, int64_t h, int64_t start,
+                  int64_t r0, int64_t r1, int64_t first, int64_t G, int64_t head_dim,
+                  float scale, float* kf, float* vf, float* qf, float* scores, float* stats,
+                  float* partial, int64_t spans) {
+  const int64_t D = kD ? kD : head_dim;
+  // Keys row r attends to in this span (0 if none); rows are in order, so the last row's
+  // is the most.
+  const auto keys = [&](int64_t r) {
+    return std::max<int64_t>(0, std::min(start + r + 1, first + kSpan) - first);
+  };
+  const int64_t n = keys(r1 - 1);
+  // The span's K and V rows of head h, widened to fp32 once for all the tile's vectors,
+  // then 16 rows of zeros (a block of dot products may read past a row's last key).
+  for (int64_t pos = first; pos < first + n; ++pos) {
+    const int64_t at = ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
+    widen_row(k_cache + at, kf + (pos - first) * D, D);
+    widen_row(v_cache + at, vf + (pos - first) * D, D);
+  }
+  std::fill_n(kf + n * D, 16 * D, 0.f);
+  std::fill_n(vf + n * D, 16 * D, 0.f);
+  const int64_t rows = r1 - r0, qvecs = rows * G;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q + ((r0 + r) * H + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qf[(r * G + g) * D + d] = widen(src[d]) * scale;
+    }
+  // Scores, for each query vector its row's keys (rounded up to 8). With AVX-512, two query
+  // vectors at a time over a block of 8 keys (each K row loaded once for both), their 16
+  // dot products reduced together; the tile's K block stays in L1 for all its vectors.
+#ifdef __AVX512F__
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    constexpr int64_t kC = kD / kLanes;
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      for (int64_t v = 0; v < qvecs; v += 2) {
+        const int64_t w = std::min(v + 1, qvecs - 1);  // a last vector alone pairs with itself
+        if (j0 >= keys(r0 + w / G)) continue;  // w's row is v's or after it: the most keys
+        __m512 qa[kC], qb[kC], lanes[16];
+        for (int64_t c = 0; c < kC; ++c) {
+          qa[c] = _mm512_loadu_ps(qf + v * kD + c * kLanes);
+          qb[c] = _mm512_loadu_ps(qf + w * kD + c * kLanes);
+        }
+        for (int i = 0; i < 8; ++i) {
+          const float* kr = kf + (j0 + i) * kD;
+          __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kC; ++c) {
+            const __m512 k = _mm512_loadu_ps(kr + c * kLanes);
+            acc_a = _mm512_add_ps(acc_a, _mm512_mul_ps(qa[c], k));
+            acc_b = _mm512_add_ps(acc_b, _mm512_mul_ps(qb[c], k));
+          }
+          lanes[kReduceSlot[i]] = acc_a;  // output lanes 0-7: v's keys; 8-15: w's
+          lanes[kReduceSlot[8 + i]] = acc_b;
+        }
+        const __m512 out = reduce16(lanes);
+        _mm256_storeu_ps(scores + v * kSpan + j0, _mm512_castps512_ps256(out));
+        _mm256_storeu_ps(scores + w * kSpan + j0,
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)));
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t v = 0; v < qvecs; ++v) {
+      const int64_t nv = keys(r0 + v / G);
+      const float* qv = qf + v * D;
+      for (int64_t j = 0; j < nv; ++j) {
+        const float* kr = kf + j * D;
+        scores[v * kSpan + j] = lane_sum(D, [&](int64_t d) { return qv[d] * kr[d]; });
+      }
+    }
+  }
+  // Softmax pieces and the weighted sum of V, each query vector over its own keys.
+  for (int64_t v = 0; v < qvecs; ++v) {
+    const int64_t r = r0 + v / G, g = v % G, nv = keys(r);
+    float* st = stats + ((r * kv_heads + h) * spans + first / kSpan) * 2 * G;
+    float* a = partial + (((r * kv_heads + h) * spans + first / kSpan) * G + g) * D;
+    if (nv == 0) {  // a row before this span: nothing to add (its combine skips the span)
+      continue;
+    }
+    float* sv = scores + v * kSpan;
+    const float m = max_of(sv, nv);
+    exp_shifted(sv, nv, m);
+    st[g] = m;
+    st[G + g] = lane_sum(nv, [&](int64_t j) { return sv[j]; });
+    std::fill(a, a + D, 0.f);
+  }
+  // The weighted sum of V, key by key in order for each query vector, 32 keys (8 KB of V,
+  // in L1) at a time for all of them. With AVX-512, kGroup vectors together over the keys
+  // they all have, so each V row is loaded once for them and their sums are independent
+  // chains of adds (one vector's kD / 16 chains alone wait on the adds' latency).
+  constexpr int64_t kBlock = 32;
+  const auto out_of = [&](int64_t v) {
+    return partial + (((r0 + v / G) * kv_heads + h) * spans + first / kSpan) * G * D + v % G * D;
+  };
+  const auto stop_of = [&](int64_t v, int64_t j0) {
+    return std::min(keys(r0 + v / G), j0 + kBlock);
+  };
+  // a += p_j * v_j for j in [from, to), one vector: the portable loop.
+  const auto single = [&](int64_t v, int64_t from, int64_t to) {
+    float* a = out_of(v);
+    const float* sv = scores + v * kSpan;
+    for (int64_t j = from; j < to; ++j) {
+      const float pj = sv[j];
+      const float* vr = vf + j * D;
+      for (int64_t d = 0; d < D; ++d) a[d] += pj * vr[d];
+    }
+  };
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    int64_t v = 0;
+#ifdef __AVX512F__
+    if constexpr (kD > 0 && kD % kLanes == 0) {
+      constexpr int64_t kC = kD / kLanes, kGroup = kD <= 64 ? 4 : 2;
+      for (; v + kGroup <= qvecs; v += kGroup) {
+        const int64_t common = std::max(j0, stop_of(v, j0));  // rows ascend: v's is the least
+        if (common > j0) {
+          __m512 acc[kGroup][kC];
+          for (int64_t k = 0; k < kGroup; ++k)
+            for (int64_t c = 0; c < kC; ++c) acc[k][c] = _mm512_loadu_ps(out_of(v + k) + c * kLanes);
+          for (int64_t j = j0; j < common; ++j) {
+            const float* vr = vf + j * kD;
+            __m512 row[kC];
+            for (int64_t c = 0; c < kC; ++c) row[c] = _mm512_loadu_ps(vr + c * kLanes);
+            for (int64_t k = 0; k < kGroup; ++k) {
+              const __m512 pj = _mm512_set1_ps(scores[(v + k) * kSpan + j]);
+              for (int64_t c = 0; c < kC; ++c)
+                acc[k][c] = _mm512_add_ps(acc[k][c], _mm512_mul_ps(pj, row[c]));
+            }
+          }
+          for (int64_t k = 0; k < kGroup; ++k)
+            for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(out_of(v + k) + c * kLanes, acc[k][c]);
+        }
+        for (int64_t k = 0; k < kGroup; ++k) single(v + k, common, stop_of(v + k, j0));
+      }
+    }
+#endif
+    for (; v < qvecs; ++v) single(v, j0, stop_of(v, j0));
+  }
+}
+
+template <typename T>
+void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                        T* out, int64_t n, int64_t start, int64_t H, int64_t kv_heads, int64_t D,
+                        int64_t block_size, float scale) {
+  const int64_t G = H / kv_heads;
+  const int64_t spans = (start + n + kSpan - 1) / kSpan;  // the last row's
+  // Rows a tile: a short chunk (a follow-up) is one tile, so each span's K/V is read once;
+  // a long one is cut in tiles of kTileRows, enough items for the threads.
+  const int64_t tile = n <= kMaxTileRows ? n : kTileRows;
+  const int64_t tiles = (n + tile - 1) / tile;
+  // Items (tile, head, span) where the tile's last row reaches the span.
+  std::vector<int64_t> items;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t last = start + std::min(n, (t + 1) * tile);  // keys of its last row
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t s = 0; s * kSpan < last; ++s) items.push_back((t * kv_heads + h) * spans + s);
+  }
+  std::vector<float> stats(n * kv_heads * spans * 2 * G), partial(n * kv_heads * spans * G * D);
+  const int64_t work = n * (start + n) * kv_heads;
+  const int64_t grain = work < 4096 ? 1 << 30 : 1;  // a small chunk: the calling thread alone
+  at::parallel_for(0, items.size(), grain, [&](int64_t begin, int64_t end) {
+    // Each thread keeps its scratch from call to call: fresh memory is pages to fault in.
+    thread_local std::vector<float> kf, vf, qf, scores;
+    const auto fit = [](std::vector<float>& v, int64_t size) {
+      if (static_cast<int64_t>(v.size()) < size) v.resize(size);
+    };
+    fit(kf, (kSpan + 16) * D);
+    fit(vf, (kSpan + 16) * D);
+    fit(qf, tile * G * D);
+    fit(scores, tile * G * kSpan);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t item = items[i], s = item % spans, h = item / spans % kv_heads,
+                    t = item / spans / kv_heads;
+      const auto fn = D == 64 ? prefill_span<T, 64> : D == 128 ? prefill_span<T, 128>
+                                                               : prefill_span<T, 0>;
+      fn(q, k_cache, v_cache, table, block_size, kv_heads, H, h, start, t * tile,
+         std::min(n, (t + 1) * tile), s * kSpan, G, D, scale, kf.data(), vf.data(), qf.data(),
+         scores.data(), stats.data(), partial.data(), spans);
+    }
+  });
+  // Combine each row's spans in order, as paged_decode does.
+  at::parallel_for(0, n * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / kv_heads, h = rh % kv_heads;
+      const int64_t row_spans = (start + r + 1 + kSpan - 1) / kSpan;
+      const auto at = [&](int64_t s) { return (r * kv_heads + h) * spans + s; };
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < row_spans; ++s) m = std::max(m, stats[at(s) * 2 * G + g]);
+        float total = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t s = 0; s < row_spans; ++s) {
+          const float* st = stats.data() + at(s) * 2 * G;
+          const float w = row_spans == 1 ? 1.0f : exp_neg(st[g] - m);
+          total += w * st[G + g];
+          const float* a = partial.data() + (at(s) * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        T* y = out + (r * H + h * G + g) * D;
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(o[d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& table, int64_t start,
+                         double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be (tokens, heads, head_dim)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous (blocks, block_size, kv_heads, head_dim)");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && H % kv_heads == 0, "heads do not match the cache");
+  TORCH_CHECK(D <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(table.dim() == 1 && table.scalar_type() == at::kLong,
+              "table must be (blocks,) int64");
+  TORCH_CHECK(start >= 0 && n >= 1 && start + n <= table.size(0) * block_size,
+              "the chunk's positions exceed its block table");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  auto qc = q.contiguous();
+  auto tc = table.contiguous();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (start + n + block_size - 1) / block_size; ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "block ", tp[i], " is outside the cache");
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill", [&] {
+    paged_prefill_impl(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                       v_cache.data_ptr<scalar_t>(), tp, out.data_ptr<scalar_t>(), n, start, H,
+                       kv_heads, D, block_size, static_cast<float>(scale));
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
 // A decode step's layer stack in one call, for int4 weights: the same ops in the same order
 // as the Python layer with FusedCpuOps (so the same bits), without ~15 Python calls a layer.
 //
@@ -493,6 +813,9 @@ TORCH_LIBRARY(parley, m) {
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
       "float scale) -> Tensor");
   m.def(
+      "paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int start, "
+      "float scale) -> Tensor");
+  m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor positions, Tensor slots, "
       "Tensor tables, Tensor lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor[] weights, int heads, int kv_heads, int group, float eps, float scale) "
@@ -504,5 +827,6 @@ TORCH_LIBRARY_IMPL(parley, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_store", &rope_store);
   m.impl("paged_decode", &paged_decode);
+  m.impl("paged_prefill", &paged_prefill);
   m.impl("decode_layers", &decode_layers);
 }
