@@ -91,8 +91,11 @@ class ModelRunner:
         self.flex: FlexDecode | None = None
         self.graphs: DecodeGraphs | None = None
         self.max_flex_rows = max_num_seqs
-        # Parley's CPU kernels (app/model/kernels): decodes attend over the cache in place
-        self.fused = bool(getattr(getattr(model, "ops", None), "fused", False))
+        # Parley's CPU kernels (app/model/kernels): decodes attend over the cache in place,
+        # and prompts too where the ops say so
+        ops = getattr(model, "ops", None)
+        self.fused = bool(getattr(ops, "fused", False))
+        self.prefill_in_place = bool(getattr(ops, "prefill_in_place", False))
         if self.device.type == "cuda":
             self.flex = _flex_decode(kv_cache, max_num_seqs, self.device)
         if self.flex is not None and cuda_graphs:
@@ -205,7 +208,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context = start + n
             chunk = PrefillChunk(first, n, context, None, None)
-            if self.fused:  # Parley's CPU kernel, over the cache in place, row by row
+            if self.prefill_in_place:  # Parley's CPU kernel, over the cache in place
                 chunk.block_table = torch.tensor(table[: -(-context // bs)], dtype=torch.int64)
                 meta.prefill_in_place = True
             elif start > 0:  # continues a cached prefix: attend through the block table

@@ -149,6 +149,15 @@ def build_model(
     return BuiltModel(model, fmt, weight_bytes(model))
 
 
+def prompt_attention_in_place() -> bool:
+    """Whether prompts attend through Parley's kernel (paged_prefill) rather than
+    PyTorch's flash kernel: where the CPU has AVX-512. Either gives correct results; the
+    kernel gives a row a decode's bits and is faster there, while its portable build (AVX2)
+    took ~2x the flash kernel's time on the CPU we measured on (bench/README.md, "Parley's
+    CPU kernels")."""
+    return cpu.cpu_has_avx512()
+
+
 def _use_cpu_kernels(model: LlamaModel, cfg: ModelConfig, fmt: WeightFormat) -> None:
     """Parley's fused kernels for the layers' small ops, where they build (see
     app/model/kernels); PyTorch's ops otherwise, with the reason in the log."""
@@ -161,8 +170,12 @@ def _use_cpu_kernels(model: LlamaModel, cfg: ModelConfig, fmt: WeightFormat) -> 
     else:
         why = kernels.load(cfg.cache_dir)
     if why is None:
-        model.use_ops(FusedCpuOps())
-        log.info("layer ops: Parley's CPU kernels (norms, rotary + K/V write, decode attention)")
+        in_place = prompt_attention_in_place()
+        model.use_ops(FusedCpuOps(prefill_in_place=in_place))
+        log.info(
+            "layer ops: Parley's CPU kernels (norms, rotary + K/V write, decode attention%s)",
+            ", prompt attention" if in_place else "; prompt attention: PyTorch's, without AVX-512",
+        )
     else:
         log.info("layer ops: PyTorch's; Parley's CPU kernels %s", why)
 

@@ -104,6 +104,7 @@ class TorchOps:
     prepares, once a step, what `rope_store` needs of the positions."""
 
     fused = False
+    prefill_in_place = False  # prompts attend through PyTorch's SDPA (attention.py)
 
     def rope(self, rotary: Rotary, positions: torch.Tensor) -> object:
         return rotary.at(positions)
@@ -142,11 +143,14 @@ class FusedCpuOps(TorchOps):
     """The same ops as Parley's CPU kernels (app/model/kernels): one call each instead of
     2-11 tensor ops, rounding as they do but for the order of the norm's sum (bf16: the
     same bits in all but ~1 in 10^5 values; fp32: within 2 ulp). Decode attention reads
-    the cache in place too (AttentionMetadata.decode_lens)."""
+    the cache in place too (AttentionMetadata.decode_lens), and so does prompt attention
+    where `prefill_in_place` (AttentionMetadata.prefill_in_place: app/model/build.py
+    chooses it where the CPU has AVX-512)."""
 
     fused = True
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_in_place: bool = True) -> None:
+        self.prefill_in_place = prefill_in_place
         self._weights: list[torch.Tensor] | None = None  # decode_layers' flat list, once
         self._group = 0  # the int4 weights' group size
 
@@ -351,7 +355,7 @@ class LlamaModel(nn.Module):
         meta = AttentionMetadata(
             slot_mapping=positions + block, prefills=[PrefillChunk(0, n, n, None, None)]
         )
-        if self.ops.fused:  # the engine's attention: Parley's kernel over the blocks in place
+        if self.ops.prefill_in_place:  # the engine's path: Parley's kernel over the blocks
             meta.prefills[0].block_table = torch.arange(1, shape[0])
             meta.prefill_in_place = True
         logits_at = positions if logits_at is None else logits_at.to(device)

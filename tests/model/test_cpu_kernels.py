@@ -239,6 +239,22 @@ def test_off_or_unbuildable_means_pytorch_ops(monkeypatch, caplog):
     assert model.ops.fused and all(layer.ops.fused for layer in model.layers)
 
 
+@pytest.mark.parametrize("avx512", [True, False])
+def test_prompts_attend_through_the_kernel_where_the_cpu_has_avx512(monkeypatch, avx512):
+    """The choice by CPU (faked both ways): the kernel for prompts with AVX-512, PyTorch's
+    flash kernel without; forward_tokens follows it, as the model runner does."""
+    monkeypatch.setattr(cpu, "cpu_has_avx512", lambda: avx512)
+    arch = tiny_arch(32)
+    model = LlamaModel.from_weights(arch, tiny_weights(arch), 64)
+    _use_cpu_kernels(model, ModelConfig(cpu_kernels="on"), WeightFormat("none", "float32"))
+    assert model.ops.fused and model.ops.prefill_in_place == avx512
+    calls = []
+    real = torch.ops.parley.paged_prefill
+    monkeypatch.setattr(torch.ops.parley, "paged_prefill", lambda *a: calls.append(1) or real(*a))
+    model.forward_tokens(list(range(20)))
+    assert len(calls) == (arch.num_layers if avx512 else 0)
+
+
 def test_auto_serves_the_default_model_with_the_kernels(smollm):
     from app.model.build import build_model
 

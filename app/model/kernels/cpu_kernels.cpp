@@ -25,7 +25,7 @@
 #include <limits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -488,8 +488,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 //
 // Work is split into (K/V head, span, tile of kTileRows rows) items. An item widens its
 // span's K and V rows to fp32 once and reads them for all its rows' G query heads; with
-// AVX-512, a key block's 16 dot products are reduced together (reduce16 below), with the
-// same additions as dot_lanes makes for each alone.
+// AVX-512 (AVX2), a key block's 16 (8) dot products are reduced together (reduce16,
+// reduce8 below), with the same additions as dot_lanes (lane_sum) makes for each alone.
 
 constexpr int64_t kTileRows = 16, kMaxTileRows = 48;
 
@@ -514,6 +514,23 @@ inline __m512 reduce16(const __m512* v) {
                          _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
                        _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#elif defined(__AVX2__)
+// The same with AVX2, eight at a time: v[i] holds lane_sum's lanes l + l + 8 of dot product
+// i (its 16 lanes are two 8-wide registers, added first); then + 4, + 2, + 1 as in
+// lane_sum. Lane p ends up holding v[kReduceSlot8[p]]: callers put output i there.
+constexpr int kReduceSlot8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+inline __m256 reduce8(const __m256* v) {
+  __m256 u[4], t[2];
+  for (int i = 0; i < 4; ++i)  // + 4: a half per vector, v[2i] | v[2i + 1]
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // + 2, within each half
+    t[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
+                       _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 #endif
 
@@ -578,6 +595,28 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
         _mm256_storeu_ps(scores + v * kSpan + j0, _mm512_castps512_ps256(out));
         _mm256_storeu_ps(scores + w * kSpan + j0,
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)));
+      }
+    }
+  } else
+#elif defined(__AVX2__)
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    // lane_sum's 16 lanes as two registers: term d goes to lane d % 16, low or high half.
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      for (int64_t v = 0; v < qvecs; ++v) {
+        if (j0 >= keys(r0 + v / G)) continue;
+        const float* qv = qf + v * kD;
+        __m256 lanes[8];
+        for (int i = 0; i < 8; ++i) {
+          const float* kr = kf + (j0 + i) * kD;
+          __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+          for (int64_t d = 0; d < kD; d += kLanes) {
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kr + d)));
+            hi = _mm256_add_ps(
+                hi, _mm256_mul_ps(_mm256_loadu_ps(qv + d + 8), _mm256_loadu_ps(kr + d + 8)));
+          }
+          lanes[kReduceSlot8[i]] = _mm256_add_ps(lo, hi);  // + 8
+        }
+        _mm256_storeu_ps(scores + v * kSpan + j0, reduce8(lanes));
       }
     }
   } else
@@ -653,6 +692,24 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
             for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(out_of(v + k) + c * kLanes, acc[k][c]);
         }
         for (int64_t k = 0; k < kGroup; ++k) single(v + k, common, stop_of(v + k, j0));
+      }
+    }
+#elif defined(__AVX2__)
+    if constexpr (kD == 64) {  // a vector's 64 sums in 8 registers: 8 chains of adds
+      for (; v < qvecs; ++v) {
+        const int64_t stop = stop_of(v, j0);
+        if (stop <= j0) continue;
+        float* a = out_of(v);
+        const float* sv = scores + v * kSpan;
+        __m256 acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(a + 8 * c);
+        for (int64_t j = j0; j < stop; ++j) {
+          const __m256 pj = _mm256_set1_ps(sv[j]);
+          const float* vr = vf + j * kD;
+          for (int c = 0; c < 8; ++c)
+            acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(pj, _mm256_loadu_ps(vr + 8 * c)));
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, acc[c]);
       }
     }
 #endif
