@@ -369,7 +369,7 @@ def main() -> None:
     ap.add_argument("--think", type=float, default=5.0, help="mean think time (s)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--small-cache", default="640MiB", help="the pool that is outgrown")
-    ap.add_argument("--max-num-seqs", type=int, default=6, help="the batch: it fits the pool")
+    ap.add_argument("--max-num-seqs", type=int, default=12, help="the batch: it fits the pool")
     ap.add_argument("--big-cache", default="6GiB", help="a pool that holds everything")
     ap.add_argument("--tier-size", default="6GiB", help="the memory tier's budget")
     ap.add_argument("--redis-maxmemory", default="6gb")

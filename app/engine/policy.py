@@ -66,9 +66,7 @@ class StaticPolicy:
     def itl_target_s(self) -> float | None:
         return None
 
-    def prefill_tokens(
-        self, step: StepShape, computed: int, remaining: int, budget: int, queue_depth: int
-    ) -> int:
+    def prefill_tokens(self, step: StepShape, computed: int, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
         if step.decodes:
             cap = self.cfg.prefill_chunk_while_decoding / (1 + computed / CONTEXT_COST_TOKENS)
@@ -104,9 +102,7 @@ class AdaptivePolicy:
             return DEFAULT_TARGET_S
         return AUTO_TARGET_FACTOR * statistics.median(self._decode_steps)
 
-    def prefill_tokens(
-        self, step: StepShape, computed: int, remaining: int, budget: int, queue_depth: int
-    ) -> int:
+    def prefill_tokens(self, step: StepShape, computed: int, remaining: int, budget: int) -> int:
         """Tokens of a prompt (computed up to `computed`, `remaining` to go) to add to a
         step already holding `step`, within the step's token `budget`."""
         most = min(remaining, budget)

@@ -175,8 +175,7 @@ class Scheduler:
     def _chunk(self, shape: StepShape, req: Request, start: int, budget: int) -> int:
         """Tokens to prefill this step of `req`'s prompt, computed up to `start`, in a
         step that already holds `shape`: the policy's call."""
-        waiting = len(self.waiting)
-        n = self.policy.prefill_tokens(shape, start, req.num_tokens - start, budget, waiting)
+        n = self.policy.prefill_tokens(shape, start, req.num_tokens - start, budget)
         if req.params.prompt_logprobs is not None:
             n = min(n, PROMPT_LOGPROBS_CHUNK)
         return n

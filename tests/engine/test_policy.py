@@ -52,31 +52,30 @@ def policy(target_ms=50.0, max_num_seqs=16, cost=None) -> AdaptivePolicy:
 def test_beside_decodes_a_chunk_fills_the_step_up_to_the_target():
     p = policy(target_ms=50.0)
     step = StepShape().plus_decode(500).plus_decode(800)
-    n = p.prefill_tokens(step, computed=0, remaining=2000, budget=2048, queue_depth=0)
+    n = p.prefill_tokens(step, computed=0, remaining=2000, budget=2048)
     assert true_time(step.plus_prefill(n, 0)) <= 0.050 < true_time(step.plus_prefill(n + 1, 0))
     # Deeper into the prompt each token attends to more: smaller chunks.
-    deeper = p.prefill_tokens(step, computed=1500, remaining=500, budget=2048, queue_depth=0)
+    deeper = p.prefill_tokens(step, computed=1500, remaining=500, budget=2048)
     assert deeper < n
 
 
 def test_nothing_decoding_means_the_whole_budget():
     p = policy(target_ms=1.0)
-    assert p.prefill_tokens(StepShape(), 0, 2000, 2048, 0) == 2000
-    assert p.prefill_tokens(StepShape(), 0, 5000, 2048, 0) == 2048
+    assert p.prefill_tokens(StepShape(), 0, 2000, 2048) == 2000
+    assert p.prefill_tokens(StepShape(), 0, 5000, 2048) == 2048
 
 
 def test_a_prompt_always_progresses_and_a_deep_queue_keeps_the_target():
     p = policy(target_ms=1.0, max_num_seqs=16)  # decodes alone exceed the target
     step = StepShape().plus_decode(100)
-    assert p.prefill_tokens(step, 0, 1000, 2048, 0) == MIN_CHUNK
+    assert p.prefill_tokens(step, 0, 1000, 2048) == MIN_CHUNK
     # One prompt a step is owed its MIN_CHUNK, not every one: k prompts under way would
     # otherwise add k bites to a step already over the target.
-    assert p.prefill_tokens(step.plus_prefill(MIN_CHUNK, 0), 0, 1000, 2048, 0) == 0
+    assert p.prefill_tokens(step.plus_prefill(MIN_CHUNK, 0), 0, 1000, 2048) == 0
+    # The target is a promise to those decoding: the queue's depth does not stretch it.
     p = policy(target_ms=50.0, max_num_seqs=16)
-    shallow = p.prefill_tokens(step, 0, 5000, 4096, queue_depth=0)
-    deep = p.prefill_tokens(step, 0, 5000, 4096, queue_depth=16)
-    assert deep == shallow  # the target is a promise to those decoding
-    assert true_time(step.plus_prefill(deep, 0)) <= 0.050
+    n = p.prefill_tokens(step, 0, 5000, 4096)
+    assert true_time(step.plus_prefill(n, 0)) <= 0.050
 
 
 def test_the_auto_target_follows_the_measured_decode_step():
@@ -88,7 +87,7 @@ def test_the_auto_target_follows_the_measured_decode_step():
         p.observe(decode_only, 0.010)
     assert p.itl_target_s() == pytest.approx(AUTO_TARGET_FACTOR * 0.010)
     step = decode_only.plus_decode(100)
-    n = p.prefill_tokens(step, computed=0, remaining=5000, budget=4096, queue_depth=0)
+    n = p.prefill_tokens(step, computed=0, remaining=5000, budget=4096)
     assert true_time(step) / true_time(step.plus_prefill(n, 0)) < 0.15
 
 
