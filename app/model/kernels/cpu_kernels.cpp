@@ -486,9 +486,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 // a chunk of a few rows after a cached prefix, or a decode, comes out in other bits than
 // the same row in the whole prompt's pass.)
 //
-// Work is split into (K/V head, span, tile of kTileRows rows) items. An item widens its
-// span's K and V rows to fp32 once and reads them for all its rows' G query heads; with
-// AVX-512 (AVX2), a key block's 16 (8) dot products are reduced together (reduce16,
+// Work is split into (tile of rows, K/V head) items. An item takes its spans in order,
+// widening each span's K and V rows to fp32 once for all its rows' G query heads, then
+// combines each row's spans; what it keeps is bounded by its tile, whatever the context.
+// With AVX-512 (AVX2), a key block's 16 (8) dot products are reduced together (reduce16,
 // reduce8 below), with the same additions as dot_lanes (lane_sum) makes for each alone.
 
 constexpr int64_t kTileRows = 16, kMaxTileRows = 48;
@@ -542,7 +543,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
                   int64_t block_size, int64_t kv_heads, int64_t H, int64_t h, int64_t start,
                   int64_t r0, int64_t r1, int64_t first, int64_t G, int64_t head_dim,
                   float scale, float* kf, float* vf, float* qf, float* scores, float* stats,
-                  float* partial, int64_t spans) {
+                  float* partial) {
   const int64_t D = kD ? kD : head_dim;
   // Keys row r attends to in this span (0 if none); rows are in order, so the last row's
   // is the most.
@@ -634,8 +635,8 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   // Softmax pieces and the weighted sum of V, each query vector over its own keys.
   for (int64_t v = 0; v < qvecs; ++v) {
     const int64_t r = r0 + v / G, g = v % G, nv = keys(r);
-    float* st = stats + ((r * kv_heads + h) * spans + first / kSpan) * 2 * G;
-    float* a = partial + (((r * kv_heads + h) * spans + first / kSpan) * G + g) * D;
+    float* st = stats + (r - r0) * 2 * G;
+    float* a = partial + ((r - r0) * G + g) * D;
     if (nv == 0) {  // a row before this span: nothing to add (its combine skips the span)
       continue;
     }
@@ -652,7 +653,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   // chains of adds (one vector's kD / 16 chains alone wait on the adds' latency).
   constexpr int64_t kBlock = 32;
   const auto out_of = [&](int64_t v) {
-    return partial + (((r0 + v / G) * kv_heads + h) * spans + first / kSpan) * G * D + v % G * D;
+    return partial + v * D;  // row r0 + v / G, query head v % G
   };
   const auto stop_of = [&](int64_t v, int64_t j0) {
     return std::min(keys(r0 + v / G), j0 + kBlock);
@@ -722,63 +723,66 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
                         T* out, int64_t n, int64_t start, int64_t H, int64_t kv_heads, int64_t D,
                         int64_t block_size, float scale) {
   const int64_t G = H / kv_heads;
-  const int64_t spans = (start + n + kSpan - 1) / kSpan;  // the last row's
-  // Rows a tile: a short chunk (a follow-up) is one tile, so each span's K/V is read once;
-  // a long one is cut in tiles of kTileRows, enough items for the threads.
-  const int64_t tile = n <= kMaxTileRows ? n : kTileRows;
-  const int64_t tiles = (n + tile - 1) / tile;
-  // Items (tile, head, span) where the tile's last row reaches the span.
-  std::vector<int64_t> items;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t last = start + std::min(n, (t + 1) * tile);  // keys of its last row
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t s = 0; s * kSpan < last; ++s) items.push_back((t * kv_heads + h) * spans + s);
-  }
-  std::vector<float> stats(n * kv_heads * spans * 2 * G), partial(n * kv_heads * spans * G * D);
+  // Rows a tile: enough tiles for each thread to have two (tile, head) items, and rows of
+  // a short chunk (a follow-up) in few tiles, so that each span's K/V is widened few times.
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = (2 * threads + kv_heads - 1) / kv_heads;
+  const int64_t tile = std::max<int64_t>(
+      1, std::min(n <= kMaxTileRows ? n : kTileRows, (n + wanted - 1) / wanted));
+  const int64_t tiles = (n + tile - 1) / tile, items = tiles * kv_heads;
+  // Later tiles reach more spans (causal). The pool hands each thread a contiguous run of
+  // items, so the tiles are dealt round-robin: thread j's run holds tiles j, j + threads...
+  std::vector<int64_t> order;
+  order.reserve(tiles);
+  for (int64_t j = 0; j < threads; ++j)
+    for (int64_t t = j; t < tiles; t += threads) order.push_back(t);
   const int64_t work = n * (start + n) * kv_heads;
-  const int64_t grain = work < 4096 ? 1 << 30 : 1;  // a small chunk: the calling thread alone
-  at::parallel_for(0, items.size(), grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = work < 4096 ? items + 1 : 1;  // a small chunk: the calling thread alone
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     // Each thread keeps its scratch from call to call: fresh memory is pages to fault in.
-    thread_local std::vector<float> kf, vf, qf, scores;
+    thread_local std::vector<float> kf, vf, qf, scores, stats, partial, o;
     const auto fit = [](std::vector<float>& v, int64_t size) {
       if (static_cast<int64_t>(v.size()) < size) v.resize(size);
     };
+    const int64_t most_spans = (start + n + kSpan - 1) / kSpan;  // the last row's
     fit(kf, (kSpan + 16) * D);
     fit(vf, (kSpan + 16) * D);
     fit(qf, tile * G * D);
     fit(scores, tile * G * kSpan);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t item = items[i], s = item % spans, h = item / spans % kv_heads,
-                    t = item / spans / kv_heads;
-      const auto fn = D == 64 ? prefill_span<T, 64> : D == 128 ? prefill_span<T, 128>
-                                                               : prefill_span<T, 0>;
-      fn(q, k_cache, v_cache, table, block_size, kv_heads, H, h, start, t * tile,
-         std::min(n, (t + 1) * tile), s * kSpan, G, D, scale, kf.data(), vf.data(), qf.data(),
-         scores.data(), stats.data(), partial.data(), spans);
-    }
-  });
-  // Combine each row's spans in order, as paged_decode does.
-  at::parallel_for(0, n * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> o(D);
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t r = rh / kv_heads, h = rh % kv_heads;
-      const int64_t row_spans = (start + r + 1 + kSpan - 1) / kSpan;
-      const auto at = [&](int64_t s) { return (r * kv_heads + h) * spans + s; };
-      for (int64_t g = 0; g < G; ++g) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < row_spans; ++s) m = std::max(m, stats[at(s) * 2 * G + g]);
-        float total = 0.f;
-        std::fill(o.begin(), o.end(), 0.f);
-        for (int64_t s = 0; s < row_spans; ++s) {
-          const float* st = stats.data() + at(s) * 2 * G;
-          const float w = row_spans == 1 ? 1.0f : exp_neg(st[g] - m);
-          total += w * st[G + g];
-          const float* a = partial.data() + (at(s) * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+    fit(stats, most_spans * tile * 2 * G);  // per span: the tile's rows' max and sum
+    fit(partial, most_spans * tile * G * D);
+    fit(o, D);
+    const auto fn = D == 64 ? prefill_span<T, 64> : D == 128 ? prefill_span<T, 128>
+                                                             : prefill_span<T, 0>;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = order[item / kv_heads], h = item % kv_heads;
+      const int64_t r0 = t * tile, r1 = std::min(n, r0 + tile);
+      const auto spans_of = [&](int64_t r) { return (start + r + 1 + kSpan - 1) / kSpan; };
+      const int64_t spans = spans_of(r1 - 1);
+      for (int64_t s = 0; s < spans; ++s)
+        fn(q, k_cache, v_cache, table, block_size, kv_heads, H, h, start, r0, r1, s * kSpan, G,
+           D, scale, kf.data(), vf.data(), qf.data(), scores.data(),
+           stats.data() + s * tile * 2 * G, partial.data() + s * tile * G * D);
+      // Combine each row's spans in order, as paged_decode does.
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t row_spans = spans_of(r);
+        const auto st_of = [&](int64_t s) { return stats.data() + (s * tile + r - r0) * 2 * G; };
+        for (int64_t g = 0; g < G; ++g) {
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t s = 0; s < row_spans; ++s) m = std::max(m, st_of(s)[g]);
+          float total = 0.f;
+          std::fill_n(o.data(), D, 0.f);
+          for (int64_t s = 0; s < row_spans; ++s) {
+            const float* st = st_of(s);
+            const float w = row_spans == 1 ? 1.0f : exp_neg(st[g] - m);
+            total += w * st[G + g];
+            const float* a = partial.data() + ((s * tile + r - r0) * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+          }
+          T* y = out + (r * H + h * G + g) * D;
+          const float inv = 1.0f / total;
+          for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(o[d] * inv);
         }
-        T* y = out + (r * H + h * G + g) * D;
-        const float inv = 1.0f / total;
-        for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(o[d] * inv);
       }
     }
   });
