@@ -371,6 +371,31 @@ void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* 
   });
 }
 
+// One query head's output from its spans' pieces, combined in order by their log-sum-exp
+// in fp32 and rounded to the dtype once. piece(s) gives span s's (max, sum, D partial
+// sums); o is D floats of scratch. paged_decode and paged_prefill both end here, so a
+// position's row combines alike in either.
+struct SpanPiece {
+  float max, sum;
+  const float* partial;
+};
+
+template <typename T, typename Piece>
+void combine_spans(int64_t spans, int64_t D, Piece piece, float* o, T* y) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < spans; ++s) m = std::max(m, piece(s).max);
+  float total = 0.f;
+  std::fill_n(o, D, 0.f);
+  for (int64_t s = 0; s < spans; ++s) {
+    const SpanPiece p = piece(s);
+    const float w = spans == 1 ? 1.0f : exp_neg(p.max - m);
+    total += w * p.sum;
+    for (int64_t d = 0; d < D; ++d) o[d] += w * p.partial[d];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(o[d] * inv);
+}
+
 template <typename T>
 void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                        const int64_t* lens, T* out, int64_t B, int64_t H, int64_t kv_heads,
@@ -416,20 +441,11 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
       const int64_t spans = (first_item[b + 1] - first_item[b]) / kv_heads;
       const auto item = [&](int64_t s) { return first_item[b] + s * kv_heads + h; };
       for (int64_t g = 0; g < G; ++g) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < spans; ++s) m = std::max(m, stats[item(s) * 2 * G + g]);
-        float total = 0.f;
-        std::fill(o.begin(), o.end(), 0.f);
-        for (int64_t s = 0; s < spans; ++s) {
+        const auto piece = [&](int64_t s) {
           const float* st = stats.data() + item(s) * 2 * G;
-          const float w = spans == 1 ? 1.0f : exp_neg(st[g] - m);
-          total += w * st[G + g];
-          const float* a = partial.data() + (item(s) * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-        }
-        T* y = out + (b * H + h * G + g) * D;
-        const float inv = 1.0f / total;
-        for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(o[d] * inv);
+          return SpanPiece{st[g], st[G + g], partial.data() + (item(s) * G + g) * D};
+        };
+        combine_spans(spans, D, piece, o.data(), out + (b * H + h * G + g) * D);
       }
     }
   });
@@ -763,25 +779,16 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
         fn(q, k_cache, v_cache, table, block_size, kv_heads, H, h, start, r0, r1, s * kSpan, G,
            D, scale, kf.data(), vf.data(), qf.data(), scores.data(),
            stats.data() + s * tile * 2 * G, partial.data() + s * tile * G * D);
-      // Combine each row's spans in order, as paged_decode does.
+      // Combine each row's spans (combine_spans, as paged_decode does).
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t row_spans = spans_of(r);
-        const auto st_of = [&](int64_t s) { return stats.data() + (s * tile + r - r0) * 2 * G; };
         for (int64_t g = 0; g < G; ++g) {
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t s = 0; s < row_spans; ++s) m = std::max(m, st_of(s)[g]);
-          float total = 0.f;
-          std::fill_n(o.data(), D, 0.f);
-          for (int64_t s = 0; s < row_spans; ++s) {
-            const float* st = st_of(s);
-            const float w = row_spans == 1 ? 1.0f : exp_neg(st[g] - m);
-            total += w * st[G + g];
-            const float* a = partial.data() + ((s * tile + r - r0) * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-          }
-          T* y = out + (r * H + h * G + g) * D;
-          const float inv = 1.0f / total;
-          for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(o[d] * inv);
+          const auto piece = [&](int64_t s) {
+            const float* st = stats.data() + (s * tile + r - r0) * 2 * G;
+            return SpanPiece{st[g], st[G + g],
+                             partial.data() + ((s * tile + r - r0) * G + g) * D};
+          };
+          combine_spans(row_spans, D, piece, o.data(), out + (r * H + h * G + g) * D);
         }
       }
     }
