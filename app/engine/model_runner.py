@@ -173,7 +173,11 @@ class ModelRunner:
             ids.append(s.request.all_token_ids[pos])
             positions.append(pos)
             slots.append(s.block_ids[pos // bs] * bs + pos % bs)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0),
+            num_decodes=len(decodes),
+            prefill_in_place=self.prefill_in_place,
+        )
         if decodes:
             context = [s.start + 1 for s in decodes]
             width = -(-max(context) // bs)
@@ -208,11 +212,11 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             context = start + n
             chunk = PrefillChunk(first, n, context, None, None)
-            if self.prefill_in_place:  # Parley's CPU kernel, over the cache in place
+            # Through the block table: always for Parley's CPU kernel (over the cache in
+            # place), else when the chunk continues a cached prefix (SDPA over a gather).
+            if self.prefill_in_place or start > 0:
                 chunk.block_table = torch.tensor(table[: -(-context // bs)], dtype=torch.int64)
-                meta.prefill_in_place = True
-            elif start > 0:  # continues a cached prefix: attend through the block table
-                chunk.block_table = torch.tensor(table[: -(-context // bs)], dtype=torch.int64)
+            if start > 0 and not self.prefill_in_place:
                 chunk.mask = prefix_mask(start, n, self.query_groups, self.kv_cache.tensor.dtype)
             meta.prefills.append(chunk)
             req = s.request

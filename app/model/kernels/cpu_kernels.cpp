@@ -451,22 +451,37 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
-  TORCH_CHECK(q.dim() == 3, "q must be (sequences, heads, head_dim)");
+// The operands paged_decode and paged_prefill share: q (rows, H, D), contiguous caches
+// (blocks, block_size, kv_heads, D) of q's dtype. `rows` names q's first dimension.
+void check_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const char* rows) {
+  TORCH_CHECK(q.dim() == 3, "q must be (", rows, ", heads, head_dim)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
               "caches must be contiguous (blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "heads do not match the cache");
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+}
+
+// Every block a table names for its first `keys` keys lies in the cache.
+void check_blocks(const int64_t* table, int64_t keys, int64_t block_size, int64_t num_blocks) {
+  for (int64_t i = 0; i < (keys + block_size - 1) / block_size; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block ", table[i],
+                " is outside the cache");
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  check_attention(q, k_cache, v_cache, "sequences");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && H % kv_heads == 0, "heads do not match the cache");
-  TORCH_CHECK(D <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kLong,
               "tables must be (sequences, max_blocks) int64");
   TORCH_CHECK(lens.numel() == B && lens.scalar_type() == at::kLong, "lens must be int64, one "
               "per sequence");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
   auto qc = q.contiguous();
   auto tc = tables.contiguous();
   auto lc = lens.contiguous();
@@ -475,9 +490,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= tc.size(1) * block_size,
                 "a sequence's length exceeds its block table");
-    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
-      TORCH_CHECK(tp[b * tc.size(1) + i] >= 0 && tp[b * tc.size(1) + i] < k_cache.size(0),
-                  "block ", tp[b * tc.size(1) + i], " is outside the cache");
+    check_blocks(tp + b * tc.size(1), lp[b], block_size, k_cache.size(0));
   }
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
@@ -798,25 +811,17 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& table, int64_t start,
                          double scale) {
-  TORCH_CHECK(q.dim() == 3, "q must be (tokens, heads, head_dim)");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "caches must be contiguous (blocks, block_size, kv_heads, head_dim)");
+  check_attention(q, k_cache, v_cache, "tokens");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && H % kv_heads == 0, "heads do not match the cache");
-  TORCH_CHECK(D <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   TORCH_CHECK(table.dim() == 1 && table.scalar_type() == at::kLong,
               "table must be (blocks,) int64");
   TORCH_CHECK(start >= 0 && n >= 1 && start + n <= table.size(0) * block_size,
               "the chunk's positions exceed its block table");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
   auto qc = q.contiguous();
   auto tc = table.contiguous();
   const int64_t* tp = tc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < (start + n + block_size - 1) / block_size; ++i)
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "block ", tp[i], " is outside the cache");
+  check_blocks(tp, start + n, block_size, k_cache.size(0));
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill", [&] {
     paged_prefill_impl(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
