@@ -111,6 +111,7 @@ class StepReport:
     measured_s: float = 0.0
     itl_target_s: float | None = None
     model_error: float = 0.0  # the cost model's mean relative error, recent steps
+    itl_margin: float = 1.0  # chunks beside decodes are planned to itl_target_s / this
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,7 @@ class Scheduler:
             seconds,
             self.policy.itl_target_s(),
             self.policy.cost.abs_error,
+            self.policy.margin,
         )
 
     def _allocate(self, req: Request, n: int, computed: ComputedPrefix | None = None) -> bool:

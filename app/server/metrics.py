@@ -171,6 +171,12 @@ class _EngineCollector(Collector):
                     "The inter-token target that sizes prefill chunks beside decodes.",
                     s.step.itl_target_s,
                 )
+                yield GaugeMetricFamily(
+                    P + "itl_plan_margin",
+                    "Chunks beside decodes are planned to the target divided by this: the "
+                    "cost model's recent overrun on such steps (its 90th percentile).",
+                    s.step.itl_margin,
+                )
         if s.replicas:  # engine replicas (app.cluster): load each, and routing decisions
             live = GaugeMetricFamily(P + "replica_up", "Replica answering (1) or not (0).",
                                      labels=["replica"])  # fmt: skip

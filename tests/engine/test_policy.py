@@ -12,7 +12,9 @@ from app.engine.policy import (
     AGING_FLOOR_S,
     AGING_MULTIPLE,
     AUTO_TARGET_FACTOR,
+    MARGIN_QUANTILE,
     MIN_CHUNK,
+    MIN_MARGIN_STEPS,
     AdaptivePolicy,
 )
 from app.engine.request import Request, SamplingParams, Timings
@@ -91,6 +93,30 @@ def test_the_auto_target_follows_the_measured_decode_step():
     assert true_time(step) / true_time(step.plus_prefill(n, 0)) < 0.15
 
 
+def test_chunks_are_planned_with_the_models_observed_overrun():
+    """Steps carrying a chunk beside decodes that run longer than predicted (here, by 0
+    to 25%) shrink later chunks until the slow ones fit the target too: the margin is the
+    MARGIN_QUANTILE of measured / predicted."""
+    p = policy(target_ms=50.0)
+    step = StepShape().plus_decode(500).plus_decode(800)
+    planned = p.prefill_tokens(step, computed=0, remaining=2000, budget=2048)
+    assert p.margin == 1.0
+    rng = random.Random(1)
+    for i in range(MIN_MARGIN_STEPS + 40):
+        shape = step.plus_prefill(planned, 0)
+        p.observe(shape, true_time(shape) * (1 + rng.uniform(0.0, 0.25)))
+        assert (p.margin == 1.0) == (i + 1 < MIN_MARGIN_STEPS)
+    assert p.margin == pytest.approx(1 + 0.25 * MARGIN_QUANTILE, abs=0.04)
+    n = p.prefill_tokens(step, computed=0, remaining=2000, budget=2048)
+    assert n < planned
+    assert true_time(step.plus_prefill(n, 0)) * p.margin <= 0.050
+    # Decode-only steps and prompts alone do not move it.
+    margin = p.margin
+    p.observe(step, true_time(step) * 3)
+    p.observe(StepShape().plus_prefill(500, 0), 9.0)
+    assert p.margin == margin
+
+
 def request(rid: str, n: int, arrival: float, preempted: int = 0) -> Request:
     r = Request(rid, list(range(n)), SamplingParams(), 8)
     r.timings = Timings(arrival=arrival)
@@ -166,6 +192,9 @@ def test_the_real_engine_cuts_a_long_prompt_beside_decodes(tokenizer):
     res = run(engine)
     assert chunks[0] == MIN_CHUNK and max(chunks) < 200
     assert res["paste"].finish_reason == "length"
+    report = engine.stats().step  # what /metrics shows of the last step
+    assert report.measured_s > 0 and report.predicted_s >= 0
+    assert report.itl_target_s == pytest.approx(1e-6) and report.itl_margin >= 1.0
     alone = tiny_engine(tokenizer)
     alone.add_request("paste", list(range(1000, 1200)), params)
     assert run(alone)["paste"].token_ids == res["paste"].token_ids

@@ -1,8 +1,9 @@
-"""/metrics for the KV tier: its counters, gauges and histograms, from a stats snapshot."""
+"""/metrics from a stats snapshot: the KV tier's counters, gauges and histograms, and the
+batching policy's last step."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.engine.outputs import EngineStats
+from app.engine.outputs import EngineStats, StepReport
 from app.kvtier.stats import HistogramSnapshot, TierStats
 from app.server.metrics import Metrics
 
@@ -10,13 +11,14 @@ BUCKETS = (0.001, 0.01, 0.1)
 
 
 class StatsOnly:
-    def __init__(self, tier: TierStats | None) -> None:
+    def __init__(self, tier: TierStats | None, step: StepReport | None = None) -> None:
         self.tier = tier
+        self.step = step
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=0,
-            num_waiting=0,
+            num_waiting=3,
             kv_usage=0.0,
             num_free_blocks=10,
             num_blocks=10,
@@ -30,6 +32,7 @@ class StatsOnly:
             steps=5,
             tier_hits=48,
             tier=self.tier,
+            step=self.step,
         )
 
 
@@ -84,3 +87,29 @@ def test_tier_metrics_are_exported():
 def test_no_tier_no_tier_metrics():
     got = samples(Metrics(StatsOnly(None)))
     assert not [k for k in got if "kv_tier" in k[0]]
+
+
+def test_the_batching_policys_last_step_is_exported():
+    step = StepReport(
+        prefill_tokens=96,
+        decodes=5,
+        predicted_s=0.041,
+        measured_s=0.046,
+        itl_target_s=0.05,
+        model_error=0.07,
+        itl_margin=1.13,
+    )
+    got = samples(Metrics(StatsOnly(None, step)))
+    assert got[("parley:step_prefill_tokens", ())] == 96
+    assert got[("parley:step_time_seconds", (("kind", "predicted"),))] == 0.041
+    assert got[("parley:step_time_seconds", (("kind", "measured"),))] == 0.046
+    assert got[("parley:step_cost_model_error", ())] == 0.07
+    assert got[("parley:itl_target_seconds", ())] == 0.05
+    assert got[("parley:itl_plan_margin", ())] == 1.13
+    assert got[("parley:num_requests_waiting", ())] == 3  # the queue's depth
+    # The static policy has no target, and so no margin either.
+    static = samples(Metrics(StatsOnly(None, StepReport(prefill_tokens=48, decodes=2))))
+    assert static[("parley:step_prefill_tokens", ())] == 48
+    assert not [
+        k for k in static if k[0] in ("parley:itl_target_seconds", "parley:itl_plan_margin")
+    ]
