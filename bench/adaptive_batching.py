@@ -85,19 +85,25 @@ async def one_turn(url: str, headers, prompt: str, n: int, max_tokens: int, rec:
 
 
 async def open_loop(url: str, http: str, arrivals, max_tokens: int):
-    """The arrivals against the server; returns the recorder, the run's seconds and the
-    inter-token targets read meanwhile: (monotonic time, seconds)."""
+    """The arrivals against the server; returns the recorder, the run's seconds, the
+    inter-token targets read meanwhile, (monotonic time, seconds), and the cost model's
+    error and the plan margin read with them."""
     headers = client_headers(url, None)
     rec = Recorder()
     targets: list[tuple[float, float]] = []
+    model: list[tuple[float, float]] = []  # (cost model's error, plan margin), as read
     done = asyncio.Event()
 
     async def poll() -> None:
         async with httpx.AsyncClient(timeout=10) as client:
             while not done.is_set():
-                target = itl_target_s((await client.get(http + "/metrics")).text)
+                text = (await client.get(http + "/metrics")).text
+                target = gauge(text, "itl_target_seconds")
                 if target is not None:
                     targets.append((time.monotonic(), target))
+                    model.append(
+                        (gauge(text, "step_cost_model_error"), gauge(text, "itl_plan_margin"))
+                    )
                 await asyncio.sleep(POLL_S)
 
     poller = asyncio.create_task(poll())
@@ -109,7 +115,7 @@ async def open_loop(url: str, http: str, arrivals, max_tokens: int):
     wall = time.monotonic() - rec.started
     done.set()
     await poller
-    return rec, wall, targets
+    return rec, wall, targets, model
 
 
 async def closed_loop(url: str, users: int, seconds: float, max_tokens: int) -> float:
@@ -131,8 +137,8 @@ async def closed_loop(url: str, users: int, seconds: float, max_tokens: int) -> 
     return sum(1 for t in rec.turns if t.finish_reason) / wall
 
 
-def itl_target_s(metrics: str) -> float | None:
-    m = re.search(r"^parley:itl_target_seconds (\S+)$", metrics, re.M)
+def gauge(metrics: str, name: str) -> float | None:
+    m = re.search(rf"^parley:{name} (\S+)$", metrics, re.M)
     return float(m.group(1)) if m else None
 
 
@@ -154,7 +160,7 @@ def gaps_over_target(turns: list[Turn], targets: list[tuple[float, float]]) -> l
     return out
 
 
-def summarize(rec: Recorder, wall: float, targets: list[tuple[float, float]]) -> dict:
+def summarize(rec: Recorder, wall: float, targets: list[tuple[float, float]], model) -> dict:
     ok = [t for t in rec.turns if t.finish_reason]
     ttft = percentiles([t.ttft_s for t in ok if t.ttft_s is not None])
     itl = percentiles([g for t in ok for g in t.itl_s])
@@ -177,6 +183,9 @@ def summarize(rec: Recorder, wall: float, targets: list[tuple[float, float]]) ->
         if in_force["p50"] is None
         else [min(x for _, x in targets) * 1000, max(x for _, x in targets) * 1000],
         "itl_p99_over_target": over["p99"],
+        # the cost model's mean relative error and the plan margin, p50 over the run
+        "model_error": percentiles([e for e, _ in model if e])["p50"],
+        "plan_margin": percentiles([m for _, m in model if m])["p50"],
         # each request: (sent, s after the run's start; prompt tokens; TTFT s), for the tail
         "turns": [
             (round(t.sent_at - rec.started, 3), t.prompt_tokens, t.ttft_s) for t in rec.turns
@@ -188,8 +197,8 @@ def run_policy(policy: str, flags: list[str], arrivals, args) -> dict:
     proc, http = start(["--batching", policy, *flags])
     try:
         url = http.replace("http", "ws") + "/ws"
-        rec, wall, targets = asyncio.run(open_loop(url, http, arrivals, args.max_tokens))
-        return summarize(rec, wall, targets)
+        rec, wall, targets, model = asyncio.run(open_loop(url, http, arrivals, args.max_tokens))
+        return summarize(rec, wall, targets, model)
     finally:
         stop(proc)
 
@@ -235,6 +244,12 @@ def table(capacity: float, fit: dict, results: dict, args) -> str:
     def ms(x):
         return "-" if x is None else f"{x * 1000:.0f}"
 
+    def pct(x):
+        return "-" if x is None else f"{x * 100:.1f}%"
+
+    def num(x):
+        return "-" if x is None else f"{x:.2f}"
+
     rows = [
         "| load | policy | requests done | tok/s | TTFT p50 / p99 (ms) | TTFT p99 floor (ms) "
         "| inter-token p50 / p99 (ms) | ITL target p50, range (ms) | inter-token p99 / target |",
@@ -263,7 +278,8 @@ def table(capacity: float, fit: dict, results: dict, args) -> str:
             f"{st['ttft_p50'] / ad['ttft_p50']:.2f}x lower, throughput "
             f"{ad['tok_s'] / st['tok_s']:.2f}x, inter-token p50 "
             f"{ad['itl_p50'] / st['itl_p50']:.2f}x static's, inter-token p99 "
-            f"{'-' if over is None else f'{over:.2f}x'} the target in force"
+            f"{'-' if over is None else f'{over:.2f}x'} the target in force; the cost "
+            f"model's error {pct(ad['model_error'])}, plan margin {num(ad['plan_margin'])}"
         )
     head = (
         f"`python bench/adaptive_batching.py --duration {args.duration:g} --max-tokens "
