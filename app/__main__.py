@@ -72,7 +72,7 @@ FLAGS: list[tuple[str, dict]] = [
             choices=("adaptive", "static"),
             default="adaptive",
             help="adaptive: step budgets from measured step costs and --itl-target-ms, "
-            "shortest prompt first with aging; static: fixed chunks, first come first served",
+            "earliest deadline first; static: fixed chunks, first come first served",
         ),
     ),
     (

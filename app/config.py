@@ -129,8 +129,8 @@ class SchedulerConfig:
     prefill_chunk_while_decoding: int = 48
     max_waiting: int = 256  # requests queued beyond a full batch; more are refused at once
     request_timeout_s: float | None = 600.0  # a request running longer is stopped
-    # "adaptive": budgets from a measured cost model and an inter-token target, shortest
-    # prompt first with aging (app.engine.policy); "static": the fixed chunk above, FCFS.
+    # "adaptive": budgets from a measured cost model and an inter-token target, earliest
+    # deadline first (app.engine.policy); "static": the fixed chunk above, FCFS.
     batching: str = "adaptive"
     itl_target_ms: float | None = None  # None: 10x the measured decode-only step
 

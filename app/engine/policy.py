@@ -23,23 +23,27 @@ over recent steps that carried a chunk beside decodes, learned like the model it
 chunk planned that way overruns the target in about one step of ten, and then by the
 model's tail over its MARGIN_QUANTILE (~1.13x), so inter-token p99 stays near the target.
 
-Order: shortest remaining prefill first, so a short question is not held behind a
-2,000-token paste, with aging: a request that has waited more than AGING_MULTIPLE times
-its own predicted prefill time, plus AGING_FLOOR_S, becomes urgent, and urgent requests
-go first in arrival order. The bound: a request waits at most AGING_MULTIPLE x its own
-prefill time + AGING_FLOOR_S before it is urgent, and after that only requests that
-arrived before it go first, as they would first come, first served. A preempted request
-is urgent at once (it has made progress to lose). The order decides admissions and also
-which prompt under way takes a step's budget first; only that one is owed MIN_CHUNK
-tokens when the target leaves none. The aging is short on purpose: in a burst of long
-pastes the slowest first token is the longest paste's, and shortest-first with a long
-bound (4x + 2 s, measured) served it last, after the whole burst.
+Order: earliest deadline first, where a request's deadline is its arrival plus
+SLACK_MULTIPLE times its own predicted prefill time alone. A short question passes a long
+paste that arrived up to SLACK_MULTIPLE x (the paste's prefill - its own) before it; among
+prompts of one size it is first come, first served. One order covers prompts under way and
+waiting requests alike: each takes its chunk of the step's prefill in turn (a waiting one by
+being admitted), and only the first is owed MIN_CHUNK tokens when the target leaves none. A
+preempted request goes first (it has made progress to lose).
+
+The bound: a request is passed only by requests that arrived before it or within
+SLACK_MULTIPLE x its own prefill time after it; so it waits at most what first come, first
+served would make it wait plus the work of that window's arrivals. A deadline, unlike
+"urgent after a wait", never turns a paste into a wall: before, a request became urgent after
+0.5x its prefill + 0.5 s, urgent ones went first in arrival order, and prompts already under
+way came before every admission; under load a paste was always urgent or under way, and a
+short question waited behind it for up to its whole prefill (the median first token at 0.9x
+load was 3x static's, which gives every prompt under way its own chunk).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -51,8 +55,7 @@ from app.engine.request import Request
 
 AUTO_TARGET_FACTOR = 10.0  # auto target: this x the recent decode-only step time
 DEFAULT_TARGET_S = 0.1  # until a decode-only step has been measured
-AGING_MULTIPLE = 0.5
-AGING_FLOOR_S = 0.5
+SLACK_MULTIPLE = 1.0  # deadline: arrival + this x the request's prefill time alone
 MIN_CHUNK = 16  # one prompt a step progresses beside decodes, whatever the target
 MARGIN_QUANTILE = 0.9  # of measured / predicted, for steps carrying a chunk beside decodes
 MARGIN_STEPS = 128  # such steps remembered
@@ -89,11 +92,9 @@ class StaticPolicy:
     def observe(self, step: StepShape, seconds: float) -> None:
         self.cost.observe(step, seconds)
 
-    def next_index(self, waiting: Sequence[Request], now: float | None = None) -> int:
-        return 0
-
-    def prefill_order(self, prefills: list[Request], now: float | None = None) -> list[Request]:
-        return prefills  # admission order
+    def prefill_order(self, prefills: list[Request], waiting: Sequence[Request]) -> list[Request]:
+        """Prompts under way in admission order, then the waiting in arrival order."""
+        return [*prefills, *waiting]
 
 
 class AdaptivePolicy:
@@ -156,39 +157,24 @@ class AdaptivePolicy:
 
     # -- the order ---------------------------------------------------------------------
 
-    def prefill_seconds(self, request: Request) -> float:
-        """Predicted time to compute what is left of the request's prompt alone."""
-        left = request.num_tokens - request.num_computed_tokens
-        return self.cost.predict(StepShape(prefill_tokens=left, context=left * left // 2))
+    def deadline(self, request: Request) -> float:
+        """When the request should be served by: its arrival plus SLACK_MULTIPLE x its
+        prompt's predicted time alone (the whole prompt: the deadline does not move)."""
+        alone = self.cost.predict(
+            StepShape(prefill_tokens=request.num_tokens, context=request.num_tokens**2 // 2)
+        )
+        return request.timings.arrival + SLACK_MULTIPLE * alone
 
-    def is_urgent(self, request: Request, now: float) -> bool:
-        if request.num_preemptions:
-            return True
-        waited = now - request.timings.arrival
-        return waited > AGING_MULTIPLE * self.prefill_seconds(request) + AGING_FLOOR_S
-
-    def next_index(self, waiting: Sequence[Request], now: float | None = None) -> int:
-        """Index in `waiting` (arrival order) of the request to admit next."""
-        now = time.monotonic() if now is None else now
-        for i, request in enumerate(waiting):
-            if self.is_urgent(request, now):
-                return i  # the first urgent one: arrival order among them
-        return min(range(len(waiting)), key=lambda i: waiting[i].num_tokens)
-
-    def prefill_order(self, prefills: list[Request], now: float | None = None) -> list[Request]:
-        """The order in which prompts already under way take this step's prefill budget:
-        the same rule as admission (urgent ones in arrival order, then the least left to
-        compute). In admission order, the oldest prompt under way, often a long paste,
-        took the whole target each step and a short question admitted after it crept
-        along at MIN_CHUNK tokens a step."""
-        now = time.monotonic() if now is None else now
+    def prefill_order(self, prefills: list[Request], waiting: Sequence[Request]) -> list[Request]:
+        """Prompts under way and waiting requests together, in the order they take a step's
+        prefill: preempted ones first (arrival order), then the earliest deadline."""
 
         def key(request: Request) -> tuple[bool, float]:
-            if self.is_urgent(request, now):
+            if request.num_preemptions:
                 return (False, request.timings.arrival)
-            return (True, request.num_tokens - request.num_computed_tokens)
+            return (True, self.deadline(request))
 
-        return sorted(prefills, key=key)
+        return sorted([*prefills, *waiting], key=key)
 
 
 BatchPolicy = StaticPolicy | AdaptivePolicy

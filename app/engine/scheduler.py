@@ -4,12 +4,12 @@ Each step the scheduler hands out up to `max_num_batched_tokens` tokens:
 
 1. decodes first: every running request with one token left gets it (steady inter-token
    latency for the conversations already talking);
-2. then running requests that are part-way through their prompt (chunked prefill);
-3. then new requests from the waiting queue, in the order the policy picks (shortest
-   prompt first with aging, or arrival order), while the budget, `max_num_seqs` and free
-   blocks allow. A new request first takes whatever prefix of it the prefix cache holds
-   (or its session's pin, or the KV tier below the pool: while the tier's blocks are on
-   their way it waits, and nobody overtakes it).
+2. then prompts, those part-way through (chunked prefill) and new requests from the
+   waiting queue alike, in the order the policy picks (earliest deadline first, or those
+   under way and then the waiting in arrival order); a new one is admitted with its first
+   chunk while the budget, `max_num_seqs` and free blocks allow. It first takes whatever
+   prefix of it the prefix cache holds (or its session's pin, or the KV tier below the
+   pool: while the tier's blocks are on their way it waits, and nobody overtakes it).
 
 While anything decodes, the policy sizes each prefill chunk (app.engine.policy): every
 decoder waits for the whole step, so a long prompt must arrive in bites small enough to
@@ -109,7 +109,7 @@ class Scheduler:
         scheduled: set[str] = set()
         budget = self.cfg.max_num_batched_tokens
 
-        # 1. Decodes, oldest first. 2. Prefills already under way.
+        # 1. Decodes, oldest first.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         shape = StepShape()
@@ -117,60 +117,75 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and self._grant(req, 1, out, scheduled):
                 budget -= 1
                 shape = shape.plus_decode(req.num_tokens)
+        # 2. Prompts, those under way and new requests alike, in the policy's order: a
+        # waiting request takes its first chunk by being admitted.
         prefill_budget = budget
-        for req in self.policy.prefill_order(prefills):
+        seats = len(self.running) + sum(len(r.forks) for r in self.running)
+        admitting = True
+        for req in self.policy.prefill_order(prefills, self.waiting):
             if prefill_budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted by an earlier request of this step
-            start = req.num_computed_tokens
-            n = self._chunk(shape, req, start, prefill_budget)
-            if n and self._grant(req, n, out, scheduled):
+            if req.status is RequestStatus.RUNNING:
+                start = req.num_computed_tokens
+                n = self._chunk(shape, req, start, prefill_budget)
+                if n and self._grant(req, n, out, scheduled):
+                    prefill_budget -= n
+                    shape = shape.plus_prefill(n, start)
+            elif admitting and not out.preempted:  # no admissions once memory ran short
+                start, n = self._admit(req, shape, prefill_budget, seats, out, scheduled)
+                if not n:
+                    admitting = False  # nobody overtakes the request the policy chose
+                    continue
+                seats += 1 + len(req.forks)
                 prefill_budget -= n
                 shape = shape.plus_prefill(n, start)
-
-        # 3. Admissions, unless memory was short this step. A request with choices to fork
-        # needs a seat for each of them.
-        seats = len(self.running) + sum(len(r.forks) for r in self.running)
-        while self.waiting and not out.preempted and prefill_budget > 0:
-            index = self.policy.next_index(self.waiting)
-            req = self.waiting[index]
-            if seats + 1 + len(req.forks) > self.cfg.max_num_seqs:
-                break
-            computed = self.kv.get_computed(req)
-            if computed.pending:
-                break  # its K/V is on its way from the tier: admitted once it has arrived
-            num_hit = computed.num_tokens
-            n = self._chunk(shape, req, num_hit, prefill_budget)
-            if not n or not self._allocate(req, n, computed):
-                break  # nobody overtakes the request the policy chose
-            del self.waiting[index]
-            if req.session_id is not None:
-                self.kv.pins.consume(req.session_id)
-            if req.num_cached_tokens < 0:
-                # First admission only: a preempted request's re-admission finds its own
-                # freed blocks, which is not a prefix-cache hit (and would count twice).
-                req.num_cached_tokens = num_hit
-                req.num_tier_cached_tokens = computed.num_tier_tokens
-                self.stats.prefix_queries += req.num_tokens
-                if computed.from_pin:
-                    self.stats.pin_hits += num_hit
-                else:
-                    self.stats.prefix_hits += num_hit - computed.num_tier_tokens
-                    self.stats.tier_hits += computed.num_tier_tokens
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit
-            if req.timings.first_scheduled is None:
-                req.timings.first_scheduled = time.monotonic()
-            self.running.append(req)
-            seats += 1 + len(req.forks)
-            self._emit(req, n, out, scheduled)
-            prefill_budget -= n
-            shape = shape.plus_prefill(n, num_hit)
         out.shape = shape
         out.block_copies = self.kv.take_copies()
         self.stats.steps += 1
         return out
+
+    def _admit(
+        self,
+        req: Request,
+        shape: StepShape,
+        budget: int,
+        seats: int,
+        out: SchedulerOutput,
+        scheduled: set[str],
+    ) -> tuple[int, int]:
+        """Admit a waiting request with its first chunk: (its start, the chunk's tokens),
+        or (0, 0) when it cannot come in this step (no seat, no blocks, K/V on its way
+        from the tier, or no room in the step)."""
+        if seats + 1 + len(req.forks) > self.cfg.max_num_seqs:
+            return 0, 0
+        computed = self.kv.get_computed(req)
+        if computed.pending:
+            return 0, 0  # its K/V is on its way from the tier: admitted once it has arrived
+        num_hit = computed.num_tokens
+        n = self._chunk(shape, req, num_hit, budget)
+        if not n or not self._allocate(req, n, computed):
+            return 0, 0
+        self.waiting.remove(req)
+        if req.session_id is not None:
+            self.kv.pins.consume(req.session_id)
+        if req.num_cached_tokens < 0:
+            # First admission only: a preempted request's re-admission finds its own
+            # freed blocks, which is not a prefix-cache hit (and would count twice).
+            req.num_cached_tokens = num_hit
+            req.num_tier_cached_tokens = computed.num_tier_tokens
+            self.stats.prefix_queries += req.num_tokens
+            if computed.from_pin:
+                self.stats.pin_hits += num_hit
+            else:
+                self.stats.prefix_hits += num_hit - computed.num_tier_tokens
+                self.stats.tier_hits += computed.num_tier_tokens
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit
+        if req.timings.first_scheduled is None:
+            req.timings.first_scheduled = time.monotonic()
+        self.running.append(req)
+        self._emit(req, n, out, scheduled)
+        return num_hit, n
 
     def _chunk(self, shape: StepShape, req: Request, start: int, budget: int) -> int:
         """Tokens to prefill this step of `req`'s prompt, computed up to `start`, in a

@@ -1,5 +1,5 @@
-"""Adaptive batching: the cost model's fit, budgets from a latency target, shortest prompt
-first with a starvation bound (on a deterministic cost model and a fake clock), and the
+"""Adaptive batching: the cost model's fit, budgets from a latency target, earliest deadline
+first with its starvation bound (on a deterministic cost model and arrival times), and the
 real engine reacting to a long prompt beside decodes."""
 
 import random
@@ -9,13 +9,13 @@ import pytest
 from app.config import SchedulerConfig
 from app.engine.cost_model import MIN_STEPS, StepCostModel, StepShape
 from app.engine.policy import (
-    AGING_FLOOR_S,
-    AGING_MULTIPLE,
     AUTO_TARGET_FACTOR,
     MARGIN_QUANTILE,
     MIN_CHUNK,
     MIN_MARGIN_STEPS,
+    SLACK_MULTIPLE,
     AdaptivePolicy,
+    StaticPolicy,
 )
 from app.engine.request import Request, SamplingParams, Timings
 from tests.engine.util import run
@@ -124,50 +124,64 @@ def request(rid: str, n: int, arrival: float, preempted: int = 0) -> Request:
     return r
 
 
-def test_shortest_prompt_first():
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def test_a_short_prompt_passes_a_long_one_that_arrived_shortly_before():
     p = policy()
     waiting = [request("long", 2000, 0.0), request("short", 30, 0.1), request("mid", 300, 0.2)]
-    assert waiting[p.next_index(waiting, now=0.3)].request_id == "short"
+    assert ids(p.prefill_order([], waiting)) == ["short", "mid", "long"]
+    # Prompts of one size: first come, first served.
+    same = [request("a", 500, 0.0), request("b", 500, 0.1), request("c", 500, 0.2)]
+    assert ids(p.prefill_order([], same)) == ["a", "b", "c"]
 
 
 def test_a_preempted_request_goes_first():
     p = policy()
     waiting = [request("back", 900, 0.0, preempted=1), request("short", 30, 0.1)]
-    assert p.next_index(waiting, now=0.2) == 0
+    assert ids(p.prefill_order([], waiting)) == ["back", "short"]
 
 
-def test_prompts_under_way_take_the_budget_by_the_same_rule():
-    """Among prompts already being computed, the one with the least left goes first, so
-    a short question admitted after a long paste is not held to MIN_CHUNK bites; a prompt
-    past its aging bound goes before both."""
+def test_prompts_under_way_and_waiting_ones_share_one_order():
+    """A paste under way does not hold a question that just arrived to what the step has
+    left: the question goes first until its deadline is later than the paste's."""
     p = policy()
     paste = request("paste", 2000, 0.0)
     paste.num_computed_tokens = 200
     question = request("question", 60, 0.5)
-    order = p.prefill_order([paste, question], now=1.0)
-    assert [r.request_id for r in order] == ["question", "paste"]
-    late = AGING_MULTIPLE * p.prefill_seconds(paste) + AGING_FLOOR_S + 1.0
-    order = p.prefill_order([paste, question], now=late)
-    assert [r.request_id for r in order] == ["paste", "question"]
+    assert ids(p.prefill_order([paste], [question])) == ["question", "paste"]
+    late = request("late", 60, p.deadline(paste) + 0.01)
+    assert ids(p.prefill_order([paste], [late])) == ["paste", "late"]
+    # The static policy: prompts under way in admission order, then the queue in arrival order.
+    static = StaticPolicy(SchedulerConfig(batching="static"))
+    assert ids(static.prefill_order([paste], [question])) == ["paste", "question"]
 
 
 def test_no_request_starves_behind_a_stream_of_short_ones():
-    """A long prompt among short ones arriving without end: it becomes urgent after at
-    most AGING_MULTIPLE x its own prefill time + AGING_FLOOR_S, then goes first."""
+    """A long prompt among short ones arriving without end, one request served every
+    50 ms: it is passed only by requests that arrived within SLACK_MULTIPLE x its own
+    prefill time after it, so it is served within that window (plus one service)."""
     p = policy()
     long = request("long", 2000, 0.0)
-    bound = AGING_MULTIPLE * p.prefill_seconds(long) + AGING_FLOOR_S
+    window = p.deadline(long) - long.timings.arrival
+    assert window == pytest.approx(
+        SLACK_MULTIPLE * true_time(StepShape(0, 2000, 2000**2 // 2)), rel=0.01
+    )
     waiting = [long]
-    now, admitted_at = 0.0, None
-    for i in range(10_000):  # every 50 ms a short prompt arrives and one request is admitted
+    now, served_at, passed_by = 0.0, None, []
+    for i in range(10_000):
         now += 0.05
         waiting.append(request(f"s{i}", 20, now))
-        chosen = waiting.pop(p.next_index(waiting, now))
+        chosen = p.prefill_order([], waiting)[0]
+        waiting.remove(chosen)
         if chosen is long:
-            admitted_at = now
+            served_at = now
             break
-    assert admitted_at is not None and admitted_at <= bound + 0.05
-    assert admitted_at > 1.0  # it did let short ones pass first
+        passed_by.append(chosen)
+    assert served_at is not None and served_at <= window + 0.05
+    assert served_at > 1.0  # it did let short ones pass first
+    assert all(r.timings.arrival <= window for r in passed_by)
 
 
 def test_the_real_engine_cuts_a_long_prompt_beside_decodes(tokenizer):
@@ -198,3 +212,33 @@ def test_the_real_engine_cuts_a_long_prompt_beside_decodes(tokenizer):
     alone = tiny_engine(tokenizer)
     alone.add_request("paste", list(range(1000, 1200)), params)
     assert run(alone)["paste"].token_ids == res["paste"].token_ids
+
+
+def test_a_question_is_admitted_ahead_of_a_paste_under_way(tokenizer):
+    """In the real scheduler: beside a decode, with a target that leaves room for one
+    MIN_CHUNK, a question that arrives while a paste is being computed takes that chunk
+    (admitted in the paste's place) and the paste waits for the question's prompt."""
+    engine = tiny_engine(tokenizer, batching="adaptive", max_num_batched_tokens=256)
+    engine.scheduler.policy.cfg = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=256, batching="adaptive", itl_target_ms=1e-3
+    )
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("talk", list(range(100, 140)), params)
+    engine.step()  # its prompt, alone
+    engine.add_request("paste", list(range(1000, 1200)), params)
+    engine.step()
+    engine.step()  # the paste under way, MIN_CHUNK a step
+    engine.add_request("question", list(range(300, 340)), params)
+    steps = []
+    real = engine.runner.run
+
+    def spy(sched):
+        steps.append({s.request.request_id: s.num_tokens for s in sched.scheduled})
+        return real(sched)
+
+    engine.runner.run = spy
+    res = run(engine)
+    assert steps[0] == {"talk": 1, "question": MIN_CHUNK}
+    assert steps[2] == {"talk": 1, "question": 40 - 2 * MIN_CHUNK}
+    assert steps[3]["paste"] == MIN_CHUNK
+    assert {r.finish_reason for r in res.values()} == {"length"}
