@@ -156,6 +156,8 @@ class RayCluster:
             pinned_blocks=total("pinned_blocks"),
             session_unpins=unpins,
             steps=total("steps"),
+            itl_gaps=total("itl_gaps"),
+            itl_gaps_over=tuple(map(sum, zip(*(s.itl_gaps_over for s in known)))),
             replicas=tuple(self._replica_stats(i) for i in range(len(self.replicas))),
             routing=dict(self.router.decisions),
         )

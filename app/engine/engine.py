@@ -25,6 +25,7 @@ from app.engine.kv_offload import model_fingerprint, open_offload
 from app.engine.logprobs import Logprob
 from app.engine.model_runner import ModelRunner, ModelRunnerOutput
 from app.engine.outputs import (
+    ITL_OVER,
     EngineListener,
     EngineStats,
     FinishedRequestStats,
@@ -97,6 +98,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # every live choice, by its own id
         self._groups: dict[str, list[Request]] = {}  # the caller's id -> its choices
         self.listeners: list[EngineListener] = []
+        self._itl_gaps = 0  # gaps held against the policy's target, and those over ITL_OVER x
+        self._itl_over = [0] * len(ITL_OVER)
         self._aborted: list[RequestOutput] = []
         self._next_housekeeping = 0.0
         log.info(
@@ -313,6 +316,8 @@ class LLMEngine:
             if logprob is not None:
                 req.logprobs.append(logprob)
             gap = None if req.timings.last_token is None else now - req.timings.last_token
+            if gap is not None:
+                self._count_gap(gap)
             if req.timings.first_token is None:
                 req.timings.first_token = now
             req.timings.last_token = now
@@ -383,6 +388,17 @@ class LLMEngine:
             tier_cached_tokens=req.num_tier_cached_tokens,
         )
 
+    def _count_gap(self, gap: float) -> None:
+        """An inter-token gap as the engine sees it (before any delivery), against the
+        target the step that ended it was planned to."""
+        target = self.scheduler.last_step.itl_target_s
+        if not target:
+            return
+        self._itl_gaps += 1
+        for i, times in enumerate(ITL_OVER):
+            if gap > times * target:
+                self._itl_over[i] += 1
+
     # -- introspection -------------------------------------------------------------------
 
     @property
@@ -409,6 +425,8 @@ class LLMEngine:
             tier_hits=s.tier_hits,
             tier=self.offload.stats() if self.offload is not None else None,
             kv_resident_bytes=(pool.num_touched + 1) * self.kv_cache.bytes_per_block,
+            itl_gaps=self._itl_gaps,
+            itl_gaps_over=tuple(self._itl_over),
         )
 
     def check_integrity(self) -> None:

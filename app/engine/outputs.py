@@ -149,6 +149,13 @@ class EngineStats:
     tier_hits: int = 0  # prompt tokens loaded from the KV tier (not in prefix_hits)
     tier: TierStats | None = None  # None: no KV tier
     kv_resident_bytes: int = 0  # of the K/V pool, the blocks written at least once
+    # Inter-token gaps as the engine saw them, held against the policy's target (none
+    # counted without one): how many, and how many over each of ITL_OVER x the target.
+    itl_gaps: int = 0
+    itl_gaps_over: tuple[int, ...] = ()
+
+
+ITL_OVER = (1.0, 1.2, 1.5, 2.0)  # multiples of the inter-token target counted in EngineStats
 
 
 @dataclass(frozen=True)

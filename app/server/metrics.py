@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from app.engine.outputs import FinishedRequestStats
+from app.engine.outputs import ITL_OVER, FinishedRequestStats
 from app.engine.protocol import EngineClient
 from app.kvtier.stats import HistogramSnapshot, TierStats
 from app.server.journal import Journal
@@ -177,6 +177,20 @@ class _EngineCollector(Collector):
                     "cost model's recent overrun on such steps (its 90th percentile).",
                     s.step.itl_margin,
                 )
+        if s.itl_gaps:  # the engine's own inter-token gaps against the target
+            yield CounterMetricFamily(
+                P + "itl_gaps",
+                "Inter-token gaps measured by the engine against the inter-token target.",
+                s.itl_gaps,
+            )
+            over = CounterMetricFamily(
+                P + "itl_gaps_over_target",
+                "Of those, the gaps longer than `times` x the target (before delivery).",
+                labels=["times"],
+            )
+            for times, count in zip(ITL_OVER, s.itl_gaps_over):
+                over.add_metric([f"{times:g}"], count)
+            yield over
         if s.replicas:  # engine replicas (app.cluster): load each, and routing decisions
             live = GaugeMetricFamily(P + "replica_up", "Replica answering (1) or not (0).",
                                      labels=["replica"])  # fmt: skip

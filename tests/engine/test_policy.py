@@ -8,6 +8,7 @@ import pytest
 
 from app.config import SchedulerConfig
 from app.engine.cost_model import MIN_STEPS, StepCostModel, StepShape
+from app.engine.outputs import ITL_OVER
 from app.engine.policy import (
     AUTO_TARGET_FACTOR,
     MARGIN_QUANTILE,
@@ -209,9 +210,13 @@ def test_the_real_engine_cuts_a_long_prompt_beside_decodes(tokenizer):
     report = engine.stats().step  # what /metrics shows of the last step
     assert report.measured_s > 0 and report.predicted_s >= 0
     assert report.itl_target_s == pytest.approx(1e-6) and report.itl_margin >= 1.0
-    alone = tiny_engine(tokenizer)
+    # Every gap the engine saw was over a target of 1 us, at every multiple counted.
+    stats = engine.stats()
+    assert stats.itl_gaps >= 2 * 29 and stats.itl_gaps_over == (stats.itl_gaps,) * len(ITL_OVER)
+    alone = tiny_engine(tokenizer, batching="static")
     alone.add_request("paste", list(range(1000, 1200)), params)
     assert run(alone)["paste"].token_ids == res["paste"].token_ids
+    assert alone.stats().itl_gaps == 0  # no target, nothing held against one
 
 
 def test_a_question_is_admitted_ahead_of_a_paste_under_way(tokenizer):

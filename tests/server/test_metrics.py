@@ -11,9 +11,12 @@ BUCKETS = (0.001, 0.01, 0.1)
 
 
 class StatsOnly:
-    def __init__(self, tier: TierStats | None, step: StepReport | None = None) -> None:
+    def __init__(
+        self, tier: TierStats | None, step: StepReport | None = None, gaps=(0, ())
+    ) -> None:
         self.tier = tier
         self.step = step
+        self.gaps = gaps
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -33,6 +36,8 @@ class StatsOnly:
             tier_hits=48,
             tier=self.tier,
             step=self.step,
+            itl_gaps=self.gaps[0],
+            itl_gaps_over=self.gaps[1],
         )
 
 
@@ -99,7 +104,7 @@ def test_the_batching_policys_last_step_is_exported():
         model_error=0.07,
         itl_margin=1.13,
     )
-    got = samples(Metrics(StatsOnly(None, step)))
+    got = samples(Metrics(StatsOnly(None, step, gaps=(1000, (40, 9, 2, 0)))))
     assert got[("parley:step_prefill_tokens", ())] == 96
     assert got[("parley:step_time_seconds", (("kind", "predicted"),))] == 0.041
     assert got[("parley:step_time_seconds", (("kind", "measured"),))] == 0.046
@@ -107,9 +112,19 @@ def test_the_batching_policys_last_step_is_exported():
     assert got[("parley:itl_target_seconds", ())] == 0.05
     assert got[("parley:itl_plan_margin", ())] == 1.13
     assert got[("parley:num_requests_waiting", ())] == 3  # the queue's depth
+    # The engine's own gaps against the target: all, and those over 1, 1.2, 1.5, 2x it.
+    assert got[("parley:itl_gaps_total", ())] == 1000
+    over = {
+        dict(k[1])["times"]: v
+        for k, v in got.items()
+        if k[0] == "parley:itl_gaps_over_target_total"
+    }
+    assert over == {"1": 40, "1.2": 9, "1.5": 2, "2": 0}
     # The static policy has no target, and so no margin either.
     static = samples(Metrics(StatsOnly(None, StepReport(prefill_tokens=48, decodes=2))))
     assert static[("parley:step_prefill_tokens", ())] == 48
     assert not [
-        k for k in static if k[0] in ("parley:itl_target_seconds", "parley:itl_plan_margin")
+        k
+        for k in static
+        if k[0] in ("parley:itl_target_seconds", "parley:itl_plan_margin", "parley:itl_gaps_total")
     ]
