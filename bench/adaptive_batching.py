@@ -44,6 +44,7 @@ from ttft_floor import ttft_floors
 from ws_load import WORDS, Recorder, Turn, client_headers, percentiles, receive_turn
 
 POLL_S = 0.25  # how often the run reads the server's inter-token target
+LAG_TICK_S = 0.005  # the load client's own loop is probed this often (its lag: jitter)
 CALIBRATION_TOKENS = (30, 250, 700, 1300, 2000)  # lone prompts timed for the floor
 
 
@@ -86,8 +87,11 @@ async def one_turn(url: str, headers, prompt: str, n: int, max_tokens: int, rec:
 
 async def open_loop(url: str, http: str, arrivals, max_tokens: int):
     """The arrivals against the server; returns the recorder, the run's seconds, the
-    inter-token targets read meanwhile, (monotonic time, seconds), and the cost model's
-    error and the plan margin read with them."""
+    inter-token targets read meanwhile, (monotonic time, seconds), the cost model's
+    error and the plan margin read with them, and the client's own loop lag (s): how late
+    a LAG_TICK_S sleep woke, which a gap the client measures may carry on top of the
+    server's (client and server share this machine's cores), and the engine's own counts
+    of inter-token gaps against the target (total, over 1.2x), read at the end."""
     headers = client_headers(url, None)
     rec = Recorder()
     targets: list[tuple[float, float]] = []
@@ -106,7 +110,16 @@ async def open_loop(url: str, http: str, arrivals, max_tokens: int):
                     )
                 await asyncio.sleep(POLL_S)
 
+    lags: list[float] = []
+
+    async def probe() -> None:
+        while not done.is_set():
+            t = time.monotonic()
+            await asyncio.sleep(LAG_TICK_S)
+            lags.append(time.monotonic() - t - LAG_TICK_S)
+
     poller = asyncio.create_task(poll())
+    prober = asyncio.create_task(probe())
     tasks = []
     for n, (at, prompt) in enumerate(arrivals):
         await asyncio.sleep(max(0.0, at - (time.monotonic() - rec.started)))
@@ -115,7 +128,14 @@ async def open_loop(url: str, http: str, arrivals, max_tokens: int):
     wall = time.monotonic() - rec.started
     done.set()
     await poller
-    return rec, wall, targets, model
+    await prober
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(http + "/metrics")).text
+    engine_gaps = (
+        gauge(text, "itl_gaps_total"),
+        gauge(text, 'itl_gaps_over_target_total{times="1.2"}'),
+    )
+    return rec, wall, targets, model, lags, engine_gaps
 
 
 async def closed_loop(url: str, users: int, seconds: float, max_tokens: int) -> float:
@@ -138,7 +158,7 @@ async def closed_loop(url: str, users: int, seconds: float, max_tokens: int) -> 
 
 
 def gauge(metrics: str, name: str) -> float | None:
-    m = re.search(rf"^parley:{name} (\S+)$", metrics, re.M)
+    m = re.search(rf"^parley:{re.escape(name)} (\S+)$", metrics, re.M)
     return float(m.group(1)) if m else None
 
 
@@ -160,11 +180,19 @@ def gaps_over_target(turns: list[Turn], targets: list[tuple[float, float]]) -> l
     return out
 
 
-def summarize(rec: Recorder, wall: float, targets: list[tuple[float, float]], model) -> dict:
+def summarize(
+    rec: Recorder,
+    wall: float,
+    targets: list[tuple[float, float]],
+    model,
+    lags: list[float],
+    engine_gaps: tuple[float | None, float | None] = (None, None),
+) -> dict:
     ok = [t for t in rec.turns if t.finish_reason]
     ttft = percentiles([t.ttft_s for t in ok if t.ttft_s is not None])
     itl = percentiles([g for t in ok for g in t.itl_s])
-    over = percentiles(gaps_over_target(ok, targets))
+    ratios = gaps_over_target(ok, targets)
+    over = percentiles(ratios)
     in_force = percentiles([x for _, x in targets])
     return {
         "requests": len(rec.turns),
@@ -186,6 +214,11 @@ def summarize(rec: Recorder, wall: float, targets: list[tuple[float, float]], mo
         # the cost model's mean relative error and the plan margin, p50 over the run
         "model_error": percentiles([e for e, _ in model if e])["p50"],
         "plan_margin": percentiles([m for _, m in model if m])["p50"],
+        "client_lag_p99_ms": percentiles(lags)["p99"] * 1000 if lags else None,
+        "client_over_1_2": sum(r > 1.2 for r in ratios) / len(ratios) if ratios else None,
+        # the engine's own gaps (before delivery) over 1.2x the target: a fraction of
+        # all; at most 1% means their p99 is within 1.2x the target
+        "engine_over_1_2": engine_gaps[1] / engine_gaps[0] if engine_gaps[0] else None,
         # each request: (sent, s after the run's start; prompt tokens; TTFT s), for the tail
         "turns": [
             (round(t.sent_at - rec.started, 3), t.prompt_tokens, t.ttft_s) for t in rec.turns
@@ -197,8 +230,10 @@ def run_policy(policy: str, flags: list[str], arrivals, args) -> dict:
     proc, http = start(["--batching", policy, *flags])
     try:
         url = http.replace("http", "ws") + "/ws"
-        rec, wall, targets, model = asyncio.run(open_loop(url, http, arrivals, args.max_tokens))
-        return summarize(rec, wall, targets, model)
+        rec, wall, targets, model, lags, engine_gaps = asyncio.run(
+            open_loop(url, http, arrivals, args.max_tokens)
+        )
+        return summarize(rec, wall, targets, model, lags, engine_gaps)
     finally:
         stop(proc)
 
@@ -279,11 +314,16 @@ def table(capacity: float, fit: dict, results: dict, args) -> str:
             f"{ad['tok_s'] / st['tok_s']:.2f}x, inter-token p50 "
             f"{ad['itl_p50'] / st['itl_p50']:.2f}x static's, inter-token p99 "
             f"{'-' if over is None else f'{over:.2f}x'} the target in force; the cost "
-            f"model's error {pct(ad['model_error'])}, plan margin {num(ad['plan_margin'])}"
+            f"model's error {pct(ad['model_error'])}, plan margin {num(ad['plan_margin'])}; "
+            f"gaps over 1.2x the target {pct(ad['client_over_1_2'])} as the client saw them, "
+            f"{pct(ad['engine_over_1_2'])} as the engine did; "
+            f"the load client's own loop lag p99 {num(st['client_lag_p99_ms'])} / "
+            f"{num(ad['client_lag_p99_ms'])} ms (static / adaptive)"
         )
+    given = "" if args.capacity is None else f" --capacity {args.capacity!r}"
     head = (
         f"`python bench/adaptive_batching.py --duration {args.duration:g} --max-tokens "
-        f"{args.max_tokens}` ({platform.processor() or platform.machine()}, "
+        f"{args.max_tokens}{given}` ({platform.processor() or platform.machine()}, "
         f"{time.strftime('%Y-%m-%d')}; capacity of the static policy {capacity:.2f} req/s, "
         f"closed loop of {args.capacity_users}; prompts 30-2,000 tokens, log-uniform; a lone "
         f"prompt's TTFT {fit['latency'] * 1000:.0f} ms + {fit['per_token'] * 1e6:.0f} us a "
