@@ -186,7 +186,7 @@ def summarize(
     targets: list[tuple[float, float]],
     model,
     lags: list[float],
-    engine_gaps: tuple[float | None, float | None] = (None, None),
+    engine_gaps: tuple[float | None, float | None],
 ) -> dict:
     ok = [t for t in rec.turns if t.finish_reason]
     ttft = percentiles([t.ttft_s for t in ok if t.ttft_s is not None])

@@ -390,7 +390,7 @@ class LLMEngine:
 
     def _count_gap(self, gap: float) -> None:
         """An inter-token gap as the engine sees it (before any delivery), against the
-        target the step that ended it was planned to."""
+        target in force once the step that ended it was measured."""
         target = self.scheduler.last_step.itl_target_s
         if not target:
             return

@@ -34,12 +34,12 @@ preempted request goes first (it has made progress to lose).
 The bound: a request is passed only by requests that arrived before it or within
 SLACK_MULTIPLE x its own prefill time after it; so (on one machine that never idles with
 work queued) it waits at most what first come, first served would make it wait plus the
-work of that window's arrivals. A deadline, unlike
-"urgent after a wait", never turns a paste into a wall: before, a request became urgent after
-0.5x its prefill + 0.5 s, urgent ones went first in arrival order, and prompts already under
-way came before every admission; under load a paste was always urgent or under way, and a
-short question waited behind it for up to its whole prefill (the median first token at 0.9x
-load was 3x static's, which gives every prompt under way its own chunk).
+work of that window's arrivals. A deadline, unlike "urgent after a wait", never turns a
+paste into a wall: before, a request became urgent after 0.5x its prefill + 0.5 s, urgent
+ones went first in arrival order, and prompts already under way came before every
+admission; under load a paste was always urgent or under way, and a short question waited
+behind it for up to its whole prefill (the median first token at 0.9x load was 3x
+static's, which gives every prompt under way its own chunk).
 """
 
 from __future__ import annotations
