@@ -2,8 +2,10 @@
 installs serves the page and its scripts when started from another folder."""
 
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import time
 import venv
 from pathlib import Path
@@ -21,6 +23,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def running_site_dirs() -> list[str]:
+    """Where this interpreter finds its packages: its own site-packages (a virtualenv's when
+    the suite runs in one), the base's when that environment borrows them, the user's."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        dirs.append(site.getusersitepackages())
+    return list(dict.fromkeys(d for d in dirs if Path(d).is_dir()))
+
+
+def borrow(python: Path) -> None:
+    """Make the environment of `python` see this interpreter's packages after its own: a
+    .pth file in its site-packages names them (its own copy of a package still wins)."""
+    own = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    Path(own, "borrowed-from-the-suite.pth").write_text("\n".join(running_site_dirs()) + "\n")
+
+
 def test_the_wheel_serves_the_page_from_anywhere(tmp_path, smollm):  # smollm: model cached
     dist = tmp_path / "dist"
     subprocess.run(
@@ -29,10 +51,12 @@ def test_the_wheel_serves_the_page_from_anywhere(tmp_path, smollm):  # smollm: m
         check=True,
     )  # fmt: skip
     (wheel,) = dist.glob("parley-*.whl")
-    # A fresh environment that borrows the dependencies (torch, ...) of this one.
+    # A fresh environment that borrows the dependencies (torch, ...) of the one running
+    # the suite, whether that is the system's Python or a virtualenv.
     env_dir = tmp_path / "env"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)
+    venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
+    borrow(python)
     subprocess.run(
         [str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)], check=True
     )
