@@ -41,10 +41,13 @@ from app.model.quant.int8 import (
     quantize_model,
     quantized_state_dict,
 )
+from app.model.quant.q8_0 import BlockLinear, Q8Embedding, Q8Weight, block_matmul_available
 
 log = logging.getLogger(__name__)
 
-INT4_FORMAT = "int4-v1"  # bump when the stored 4-bit layout changes
+INT4_FORMAT = "int4-v2"  # bump when the stored layout changes (v2: Q8_0 embedding, LM head)
+# Tensors served from their Q8_0 bytes where the GGUF stores them so (app.model.quant.q8_0).
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 NATIVE_4BIT = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 kernel runs as they are
 EXACT_REFERENCE = "--quantization none --dtype float32"
 
@@ -138,7 +141,7 @@ def build_model(
     if fmt.quantization == "int8":
         model = _int8_model(loaded, cfg.cache_dir, max_positions)
     elif fmt.quantization == "int4":
-        model = _int4_model(loaded, cfg.cache_dir, fmt.torch_dtype, max_positions)
+        model, q8 = _int4_model(loaded, cfg.cache_dir, fmt.torch_dtype, max_positions)
     else:
         weights = {k: v.to(fmt.torch_dtype) for k, v in loaded.weights.items()}  # no copy if equal
         model = LlamaModel.from_weights(loaded.arch, weights, max_positions).to(device)
@@ -146,7 +149,35 @@ def build_model(
             model.pack_for_cpu()
     if torch.device(device).type == "cpu":
         _use_cpu_kernels(model, cfg, fmt)
+    if fmt.quantization == "int4":
+        _int4_head(model, q8, fmt.torch_dtype, kernel=model.ops.fused)
     return BuiltModel(model, fmt, weight_bytes(model))
+
+
+def _int4_head(
+    model: LlamaModel, q8: dict[str, Q8Weight], dtype: torch.dtype, kernel: bool
+) -> None:
+    """The int4 model's embedding and LM head: from the checkpoint's Q8_0 bytes where it
+    has them (app.model.quant.q8_0), and the LM head on Parley's block_matmul wherever the
+    kernels are loaded (a logit's bits then depend on nothing but the token's row); else
+    oneDNN's packed bf16 head, as model_from_int4 left it. `kernel`: Parley's kernels
+    serve this model (--cpu-kernels)."""
+    embedding = q8.get(EMBEDDING)
+    head = embedding if model.arch.tie_word_embeddings else q8.get(LM_HEAD)
+    kernel = kernel and block_matmul_available()
+    if kernel:
+        model.packed_lm_head = BlockLinear(head if head is not None else model.lm_head_weight)
+        model.lm_head = None
+    if embedding is not None and (kernel or not model.arch.tie_word_embeddings):
+        model.embed_tokens = Q8Embedding(embedding, dtype)
+        if head is embedding:
+            model.embed_tokens.weight_nbytes = 0  # one copy of the bytes serves both
+    log.info(
+        "embedding: %s; LM head: %s",
+        "Q8_0 as stored" if isinstance(model.embed_tokens, Q8Embedding) else f"{dtype}",
+        ("Q8_0 as stored" if head is not None else f"{dtype}")
+        + (" on Parley's block_matmul" if kernel else " on oneDNN"),
+    )
 
 
 def prompt_attention_in_place() -> bool:
@@ -188,20 +219,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def _int4_model(
     loaded: LoadedModel, cache_dir: Path, dtype: torch.dtype, max_positions: int
-) -> LlamaModel:
+) -> tuple[LlamaModel, dict[str, Q8Weight]]:
+    """The int4 model, and the embedding / LM head as the checkpoint's Q8_0 bytes where it
+    stores them so (by Hugging Face name)."""
     target = None
     if loaded.cache_key is not None:
         target = cache_dir / "converted" / f"{loaded.cache_key}-{INT4_FORMAT}"
         if (target / "model.safetensors").exists():
-            linears = int4_from_state_dict(read_tensors(target / "model.safetensors"))
-            return model_from_int4(loaded.arch, loaded.weights, linears, dtype, max_positions)
+            state = read_tensors(target / "model.safetensors")
+            q8 = {n: w for n in (EMBEDDING, LM_HEAD) if (w := Q8Weight.from_state(state, n))}
+            linears = int4_from_state_dict(state)
+            model = model_from_int4(loaded.arch, loaded.weights, linears, dtype, max_positions)
+            return model, q8
     started = time.monotonic()
-    stored = {}
+    stored, q8 = {}, {}
     if loaded.source is not None and loaded.source.suffix == ".gguf":
-        from app.model.gguf_file import iter_q4_weights, open_gguf
+        from app.model.gguf_file import iter_q4_weights, iter_q8_weights, open_gguf
 
         reader, _ = open_gguf(loaded.source)
         stored = dict(iter_q4_weights(reader, loaded.arch))
+        q8 = {n: w for n, w in iter_q8_weights(reader, loaded.arch) if n in (EMBEDDING, LM_HEAD)}
     linears, as_stored = int4_linears(loaded.arch, loaded.weights, stored)
     parts = 7 * loaded.arch.num_layers  # q, k, v, o, gate, up, down
     log.info(
@@ -214,11 +251,13 @@ def _int4_model(
     )
     if target is not None:
         state = int4_state_dict(linears)
+        for name, w in q8.items():
+            state.update(w.state(name))
         info = {"as_stored": str(as_stored), "parts": str(parts)}
         write_cache_dir(
             target, lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata=info)
         )
-    return model_from_int4(loaded.arch, loaded.weights, linears, dtype, max_positions)
+    return model_from_int4(loaded.arch, loaded.weights, linears, dtype, max_positions), q8
 
 
 def _int8_model(loaded: LoadedModel, cache_dir: Path, max_positions: int) -> LlamaModel:

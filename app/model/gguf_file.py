@@ -2,7 +2,8 @@
 tensors, with the `gguf` package alone (transformers' GGUF path is ~10x slower).
 
 The 4-bit blocks of Q4_0 / Q4_1 tensors can also be read as they are (`iter_q4_weights`),
-for the int4 weight format (app.model.quant.int4).
+for the int4 weight format (app.model.quant.int4), and so can Q8_0 tensors
+(`iter_q8_weights`: the embedding and LM head, app.model.quant.q8_0).
 
 Two traps:
 - GGUF stores shapes innermost-first; `gguf` gives numpy arrays already in PyTorch's
@@ -25,6 +26,7 @@ from gguf.quants import dequantize
 
 from app.model.arch import ArchConfig
 from app.model.quant.int4 import Int4Weight, from_gguf_q4
+from app.model.quant.q8_0 import Q8Weight, from_gguf_q8_0
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -171,6 +173,16 @@ def iter_q4_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[str,
             continue
         blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # [rows, block bytes]
         yield name, from_gguf_q4(_in_our_row_order(blocks, name, arch), t.tensor_type.name)
+
+
+def iter_q8_weights(reader: GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, Q8Weight]]:
+    """Yield (Hugging Face name, codes and scales as stored) for every Q8_0 matrix."""
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or t.tensor_type.name != "Q8_0" or len(t.shape) != 2:
+            continue
+        blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # [rows, block bytes]
+        yield name, from_gguf_q8_0(_in_our_row_order(blocks, name, arch))
 
 
 def open_gguf(path: Path) -> tuple[GGUFReader, ArchConfig]:

@@ -172,7 +172,10 @@ def test_int4_codes_are_cached_and_a_warm_start_reads_no_gguf(q4_gguf, tmp_path,
     loaded = load_model(cfg)
     ids = list(range(100, 140))
     first = forward_all(build_model(loaded, cfg, "cpu", 512).model, ids)
-    assert len(list((tmp_path / "converted").glob("*-int4-v1/model.safetensors"))) == 1
+    assert (
+        len(list((tmp_path / "converted").glob(f"*-{build_mod.INT4_FORMAT}/model.safetensors")))
+        == 1
+    )
 
     def no_rebuilding(*a, **k):
         raise AssertionError("a warm start must not read the GGUF or round weights again")

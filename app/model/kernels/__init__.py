@@ -1,4 +1,5 @@
-"""Parley's fused CPU kernels (cpu_kernels.cpp), compiled once per machine and loaded as
+"""Parley's fused CPU kernels (cpu_kernels.cpp: the layers' small ops and attention;
+matmul.cpp: the LM head's matmul), compiled once per machine and loaded as
 `torch.ops.parley.*`.
 
 A decode step at one request is ~40 small tensor ops a layer, each a few microseconds of
@@ -30,7 +31,7 @@ from app.model import cpu
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "matmul.cpp"))
 # -ffp-contract=off: no fused multiply-adds the C++ does not spell out, so that products and
 # sums round as PyTorch's separate ops round them.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -51,8 +52,8 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
     One process holds one build: `torch.ops.parley` is a single namespace. The build
     directory is locked while it compiles, so processes starting together build it once."""
     global _loaded
-    code = SOURCE.read_bytes()
-    key = build_key(code, march)
+    codes = {src.name: src.read_bytes() for src in SOURCES}
+    key = build_key(b"".join(codes.values()), march)
     if _loaded is not None:
         return None if _loaded == key else f"another build ({_loaded}) is loaded"
     from torch.utils import cpp_extension
@@ -61,19 +62,22 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
     build_dir = Path(cache_dir) / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir / "lock")
-    # The build compiles a copy kept beside it: ninja rebuilds when a source's path changes,
+    # The build compiles copies kept beside it: ninja rebuilds when a source's path changes,
     # and two checkouts of the same source would otherwise take turns recompiling it.
-    source = build_dir / SOURCE.name
-    if not source.exists() or source.read_bytes() != code:
-        tmp = build_dir / f".{SOURCE.name}.{os.getpid()}"
-        tmp.write_bytes(code)
-        tmp.replace(source)
+    sources = []
+    for name, code in codes.items():
+        source = build_dir / name
+        if not source.exists() or source.read_bytes() != code:
+            tmp = build_dir / f".{name}.{os.getpid()}"
+            tmp.write_bytes(code)
+            tmp.replace(source)
+        sources.append(str(source))
     built = max((p.stat().st_mtime for p in build_dir.glob("*.so")), default=None)
     start = time.perf_counter()
     try:
         cpp_extension.load(
             name=f"parley_kernels_{key}",
-            sources=[str(source)],
+            sources=sources,
             extra_cflags=[*CFLAGS, f"-march={march}"],
             # The libgomp torch has loaded (same soname): one OpenMP pool, not two.
             extra_ldflags=["-fopenmp"],
