@@ -170,7 +170,14 @@ FLAGS: list[tuple[str, dict]] = [
             help="replay decode steps as CUDA graphs (CUDA only; --no-cuda-graphs: eager)",
         ),
     ),
-    ("--threads", dict(type=int, default=None, help="torch threads on the CPU (default: cores)")),
+    (
+        "--threads",
+        dict(
+            type=int,
+            default=None,
+            help="pin the CPU thread count (default: follow the machine, up to its free CPUs)",
+        ),
+    ),
     (
         "--replicas",
         dict(type=int, default=1, help="engine replicas on Ray (1: no Ray, one engine here)"),

@@ -245,7 +245,11 @@ class EngineConfig:
     # "cpu", "cuda", "cuda:N" or "auto" (CUDA when present), resolved once by the engine
     # (app.model.device). "cpu" here: an engine built in code runs where tests expect it.
     device: str = "cpu"
-    num_threads: int | None = None  # None: one per CPU core (set on the CPU only)
+    # CPU threads. A number pins the count (--threads); None: app.engine.threads chooses
+    # it step by step from what the machine gives now, up to the CPUs this process may use
+    # (its affinity mask and cgroup quota) and at most `max_threads` (a replica's share).
+    num_threads: int | None = None
+    max_threads: int | None = None
     # Decode steps replayed as CUDA graphs, one per bucketed batch size (CUDA only).
     cuda_graphs: bool = True
     debug_checks: bool = False  # check_integrity() after every step

@@ -81,7 +81,11 @@ class RayCluster:
         actor = ray.remote(Replica).options(
             num_cpus=threads, max_restarts=-1, max_task_retries=0, max_concurrency=1000
         )
-        per_replica = dataclasses.replace(config, num_threads=threads)
+        # --threads pins each replica's count; else each chooses its own (app.engine.threads)
+        # within its share, fewer while its CPUs are contended.
+        per_replica = dataclasses.replace(
+            config, num_threads=cluster.threads_per_replica, max_threads=threads
+        )
         # Held for as long as the cluster lives: Ray restarts a dead replica from them.
         self._replica_args = (ray.put(per_replica), ray.put(loaded))
         self.replicas = [actor.remote(*self._replica_args) for _ in range(n)]
@@ -95,7 +99,8 @@ class RayCluster:
         self._listeners: list[EngineListener] = []
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
-        log.info("%d engine replicas on Ray, %d threads each", n, threads)
+        log.info("%d engine replicas on Ray, %s %d threads each", n,
+                 "pinned to" if cluster.threads_per_replica else "up to", threads)  # fmt: skip
 
     # -- EngineClient ----------------------------------------------------------------------
 
@@ -157,6 +162,7 @@ class RayCluster:
             session_unpins=unpins,
             steps=total("steps"),
             itl_gaps=total("itl_gaps"),
+            thread_changes=total("thread_changes"),
             itl_gaps_over=tuple(map(sum, zip(*(s.itl_gaps_over for s in known)))),
             replicas=tuple(self._replica_stats(i) for i in range(len(self.replicas))),
             routing=dict(self.router.decisions),
@@ -267,6 +273,7 @@ class RayCluster:
             num_running=s.num_running if s else 0,
             num_waiting=s.num_waiting if s else 0,
             kv_usage=s.kv_usage if s else 0.0,
+            cpu_threads=s.cpu_threads if s else 0,
         )
 
     async def _watch(self) -> None:

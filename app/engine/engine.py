@@ -36,6 +36,7 @@ from app.engine.request import FinishReason, Request, SamplingParams
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from app.engine.structured import GrammarCompiler
+from app.engine.threads import ThreadPolicy, read_ceiling
 from app.model.build import build_model
 from app.model.device import resolve_device
 from app.model.loader import LoadedModel, load_model
@@ -49,9 +50,20 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)  # once: nothing per step asks again
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
-        # A thread's OpenMP thread count is its own: the AsyncEngine's thread sets this one.
+        # CPU threads: pinned by config.num_threads (--threads), else chosen step by step
+        # from what the machine gives (app.engine.threads), up to what we may use.
+        self.threads: ThreadPolicy | None = None
+        if self.device.type == "cpu":
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
+            else:
+                ceiling = read_ceiling(at_most=config.max_threads)
+                self.threads = ThreadPolicy(ceiling)
+                torch.set_num_threads(ceiling.threads)
+                log.info("CPU threads: up to %d (%s), fewer while CPUs are contended",
+                         ceiling.threads, ceiling.why)  # fmt: skip
+        # A thread's OpenMP thread count is its own: the AsyncEngine's thread sets this one,
+        # and step() sets it again whenever the policy changes it.
         self.num_threads = torch.get_num_threads()
         loaded = model if model is not None else load_model(config.model)
         self.model_name = loaded.name
@@ -233,11 +245,14 @@ class LLMEngine:
         if sched.is_empty and self.offload is not None:
             self.offload.wait(0.05)  # a request waits for the tier: do not spin meanwhile
         if not sched.is_empty:
+            self._set_threads()
             try:
                 started = time.perf_counter()
                 ran = self.runner.run(sched)
                 elapsed = time.perf_counter() - started
                 self.scheduler.observe_step(sched, elapsed)
+                if self.threads is not None and self.scheduler.last_step is not None:
+                    self.threads.observe(self.scheduler.last_step.predicted_s, elapsed)
                 if self.offload is not None:  # what recomputing costs, for the tier's choice
                     tokens = sum(s.num_tokens for s in sched.scheduled)
                     self.offload.observe_compute(tokens, elapsed)
@@ -252,6 +267,15 @@ class LLMEngine:
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
+
+    def _set_threads(self) -> None:
+        """The policy's count for this step, on this (the engine's) thread: torch's pool,
+        and so Parley's kernels, the sampler and every op of the step, follow it."""
+        if self.threads is not None:
+            wanted = self.threads.threads()
+            if wanted != torch.get_num_threads():
+                torch.set_num_threads(wanted)
+                self.num_threads = wanted
 
     def _run_one_by_one(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """After a failed batch: run each request alone, so that the one that fails ends
@@ -427,6 +451,8 @@ class LLMEngine:
             kv_resident_bytes=(pool.num_touched + 1) * self.kv_cache.bytes_per_block,
             itl_gaps=self._itl_gaps,
             itl_gaps_over=tuple(self._itl_over),
+            cpu_threads=self.num_threads if self.device.type == "cpu" else 0,
+            thread_changes=self.threads.stats.changes if self.threads is not None else 0,
         )
 
     def check_integrity(self) -> None:

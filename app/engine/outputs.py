@@ -124,6 +124,7 @@ class ReplicaStats:
     num_running: int
     num_waiting: int
     kv_usage: float
+    cpu_threads: int = 0  # threads its last step ran with (0: not on the CPU, or unknown)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,8 @@ class EngineStats:
     # counted without one): how many, and how many over each of ITL_OVER x the target.
     itl_gaps: int = 0
     itl_gaps_over: tuple[int, ...] = ()
+    cpu_threads: int = 0  # threads the last step ran with (0: not on the CPU)
+    thread_changes: int = 0  # times the thread policy changed the count (app.engine.threads)
 
 
 ITL_OVER = (1.0, 1.2, 1.5, 2.0)  # multiples of the inter-token target counted in EngineStats

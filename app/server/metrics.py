@@ -191,6 +191,15 @@ class _EngineCollector(Collector):
             for times, count in zip(ITL_OVER, s.itl_gaps_over):
                 over.add_metric([f"{times:g}"], count)
             yield over
+        if s.cpu_threads:  # one engine on the CPU; replicas report theirs below
+            yield GaugeMetricFamily(
+                P + "cpu_threads", "CPU threads the engine computes with now.", s.cpu_threads
+            )
+        yield CounterMetricFamily(
+            P + "cpu_thread_changes",
+            "Times the thread count followed the machine (a CPU contended or freed).",
+            s.thread_changes,
+        )
         if s.replicas:  # engine replicas (app.cluster): load each, and routing decisions
             live = GaugeMetricFamily(P + "replica_up", "Replica answering (1) or not (0).",
                                      labels=["replica"])  # fmt: skip
@@ -203,13 +212,20 @@ class _EngineCollector(Collector):
                 P + "replica_num_requests_running", "Requests in a replica's batch.",
                 labels=["replica"],
             )  # fmt: skip
+            threads = GaugeMetricFamily(
+                P + "cpu_threads", "CPU threads a replica computes with now.",
+                labels=["replica"],
+            )  # fmt: skip
             for r in s.replicas:
                 live.add_metric([r.name], float(r.live))
                 load.add_metric([r.name], r.in_flight)
                 running.add_metric([r.name], r.num_running)
+                if r.cpu_threads:
+                    threads.add_metric([r.name], r.cpu_threads)
             yield live
             yield load
             yield running
+            yield threads
             routing = CounterMetricFamily(
                 P + "routing_decisions",
                 "Requests routed, by decision: affine (to its K/V's replica), rebalanced "
