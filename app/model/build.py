@@ -45,7 +45,8 @@ from app.model.quant.q8_0 import BlockLinear, Q8Embedding, Q8Weight, block_matmu
 
 log = logging.getLogger(__name__)
 
-INT4_FORMAT = "int4-v2"  # bump when the stored layout changes (v2: Q8_0 embedding, LM head)
+# Bump when the stored layout changes (v2: Q8_0 embedding, LM head; v3: scale and offset).
+INT4_FORMAT = "int4-v3"
 # Tensors served from their Q8_0 bytes where the GGUF stores them so (app.model.quant.q8_0).
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 NATIVE_4BIT = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 kernel runs as they are
@@ -138,16 +139,20 @@ def build_model(
         f"; chosen by auto: {fmt.why}" if fmt.why else "",
         EXACT_REFERENCE,
     )
+    on_cpu = torch.device(device).type == "cpu"
+    no_kernels = _cpu_kernels(cfg, fmt) if on_cpu else "not on the CPU"
     if fmt.quantization == "int8":
         model = _int8_model(loaded, cfg.cache_dir, max_positions)
     elif fmt.quantization == "int4":
-        model, q8 = _int4_model(loaded, cfg.cache_dir, fmt.torch_dtype, max_positions)
+        kernel = "parley" if no_kernels is None else "aten"
+        model, q8 = _int4_model(loaded, cfg.cache_dir, fmt.torch_dtype, max_positions, kernel)
+        log.info("int4 linears on %s", _int4_kernel_name(kernel))
     else:
         weights = {k: v.to(fmt.torch_dtype) for k, v in loaded.weights.items()}  # no copy if equal
         model = LlamaModel.from_weights(loaded.arch, weights, max_positions).to(device)
         if torch.device(device).type == "cpu":
             model.pack_for_cpu()
-    if torch.device(device).type == "cpu":
+    if on_cpu:
         _use_cpu_kernels(model, cfg, fmt)
     if fmt.quantization == "int4":
         _int4_head(model, q8, fmt.torch_dtype, kernel=model.ops.fused)
@@ -189,17 +194,28 @@ def prompt_attention_in_place() -> bool:
     return cpu.cpu_has_avx512()
 
 
+def _cpu_kernels(cfg: ModelConfig, fmt: WeightFormat) -> str | None:
+    """Load Parley's CPU kernels where this model uses them (app/model/kernels); None when
+    they are loaded, else why not."""
+    if cfg.cpu_kernels == "off":
+        return "off (--cpu-kernels off)"
+    if cfg.cpu_kernels == "auto" and fmt.quantization != "int4":
+        return f"off: auto uses them for int4 weights, not {fmt.quantization} (--cpu-kernels on)"
+    if fmt.dtype not in ("float32", "bfloat16"):
+        return f"not for {fmt.dtype}"
+    return kernels.load(cfg.cache_dir)
+
+
+def _int4_kernel_name(kernel: str) -> str:
+    if kernel == "parley":
+        return f"Parley's q4_matmul ({torch.ops.parley.q4_path()})"
+    return "PyTorch's int4 kernel (Parley's kernels are not loaded)"
+
+
 def _use_cpu_kernels(model: LlamaModel, cfg: ModelConfig, fmt: WeightFormat) -> None:
     """Parley's fused kernels for the layers' small ops, where they build (see
     app/model/kernels); PyTorch's ops otherwise, with the reason in the log."""
-    if cfg.cpu_kernels == "off":
-        why = "off (--cpu-kernels off)"
-    elif cfg.cpu_kernels == "auto" and fmt.quantization != "int4":
-        why = f"off: auto uses them for int4 weights, not {fmt.quantization} (--cpu-kernels on)"
-    elif fmt.dtype not in ("float32", "bfloat16"):
-        why = f"not for {fmt.dtype}"
-    else:
-        why = kernels.load(cfg.cache_dir)
+    why = _cpu_kernels(cfg, fmt)  # loaded once a process: a second ask is a lookup
     if why is None:
         in_place = prompt_attention_in_place()
         model.use_ops(FusedCpuOps(prefill_in_place=in_place))
@@ -218,7 +234,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _int4_model(
-    loaded: LoadedModel, cache_dir: Path, dtype: torch.dtype, max_positions: int
+    loaded: LoadedModel, cache_dir: Path, dtype: torch.dtype, max_positions: int, kernel: str
 ) -> tuple[LlamaModel, dict[str, Q8Weight]]:
     """The int4 model, and the embedding / LM head as the checkpoint's Q8_0 bytes where it
     stores them so (by Hugging Face name)."""
@@ -229,7 +245,9 @@ def _int4_model(
             state = read_tensors(target / "model.safetensors")
             q8 = {n: w for n in (EMBEDDING, LM_HEAD) if (w := Q8Weight.from_state(state, n))}
             linears = int4_from_state_dict(state)
-            model = model_from_int4(loaded.arch, loaded.weights, linears, dtype, max_positions)
+            model = model_from_int4(
+                loaded.arch, loaded.weights, linears, dtype, max_positions, kernel=kernel
+            )
             return model, q8
     started = time.monotonic()
     stored, q8 = {}, {}
@@ -257,7 +275,10 @@ def _int4_model(
         write_cache_dir(
             target, lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata=info)
         )
-    return model_from_int4(loaded.arch, loaded.weights, linears, dtype, max_positions), q8
+    model = model_from_int4(
+        loaded.arch, loaded.weights, linears, dtype, max_positions, kernel=kernel
+    )
+    return model, q8
 
 
 def _int8_model(loaded: LoadedModel, cache_dir: Path, max_positions: int) -> LlamaModel:

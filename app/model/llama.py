@@ -152,7 +152,6 @@ class FusedCpuOps(TorchOps):
     def __init__(self, prefill_in_place: bool = True) -> None:
         self.prefill_in_place = prefill_in_place
         self._weights: list[torch.Tensor] | None = None  # decode_layers' flat list, once
-        self._group = 0  # the int4 weights' group size
 
     def rope(self, rotary: Rotary, positions: torch.Tensor) -> object:
         return rotary.cos, rotary.sin, positions
@@ -166,9 +165,7 @@ class FusedCpuOps(TorchOps):
         if meta.prefills or meta.decode_lens is None or meta.num_decodes != h.shape[0]:
             return None
         if self._weights is None:
-            from app.model.quant.int4 import GROUP  # int4 builds on this module
-
-            self._weights, self._group = _int4_stack(model, h.dtype), GROUP
+            self._weights = _int4_stack(model)
         if not self._weights:
             return None
         cos, sin, positions = rope  # type: ignore[misc]
@@ -176,7 +173,7 @@ class FusedCpuOps(TorchOps):
         return torch.ops.parley.decode_layers(
             h, cos, sin, positions, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_lens, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-            self._weights, a.num_heads, a.num_kv_heads, self._group, a.rms_norm_eps,
+            self._weights, a.num_heads, a.num_kv_heads, a.rms_norm_eps,
             a.head_dim**-0.5,
         )  # fmt: skip
 
@@ -199,18 +196,18 @@ class FusedCpuOps(TorchOps):
         )  # fmt: skip
 
 
-def _int4_stack(model: LlamaModel, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Every layer's int4 (packed, scale_zero) for qkv, o_proj, gate_up and down, then its
-    two norms' weights; empty unless every linear is int4 in `dtype` without a bias."""
+def _int4_stack(model: LlamaModel) -> list[torch.Tensor]:
+    """Every layer's int4 (codes, d, m) on Parley's q4_matmul for qkv, o_proj, gate_up and
+    down, then its two norms' weights; empty unless every linear is such, without a bias."""
     from app.model.quant.int4 import LINEARS, Int4Linear
 
     out: list[torch.Tensor] = []
     for layer in model.layers:
         for name in LINEARS:  # qkv, o_proj, gate_up, down: the order decode_layers reads
             lin = getattr(layer, name)
-            if not isinstance(lin, Int4Linear) or lin.dtype != dtype or lin.bias is not None:
+            if not isinstance(lin, Int4Linear) or lin.kernel != "parley" or lin.bias is not None:
                 return []
-            out += [lin.packed, lin.scale_zero]
+            out += [lin.codes, lin.d, lin.m]
         out += [layer.input_norm.weight, layer.post_norm.weight]
     return out
 

@@ -283,11 +283,14 @@ def test_an_avx2_build_computes_the_same(tmp_path):
         vc = torch.randn(64, 16, 3, 64, generator=g).bfloat16()
         q = torch.randn(2, 9, 64, generator=g).bfloat16()
         tables = torch.stack([torch.randperm(64, generator=g)[:40] for _ in range(2)])
+        from app.model.quant.int4 import Int4Linear, quantize_rtn
+        q4 = Int4Linear(quantize_rtn(torch.randn(96, 576, generator=g)), None, x.dtype, "parley")
         codes = torch.randint(-128, 128, (70, 576), generator=g, dtype=torch.int8)
         scales = torch.rand(70, 18, generator=g)
         out = dict(norm=torch.ops.parley.rms_norm(x, w, 1e-5),
                    head=torch.ops.parley.block_matmul(x, codes, scales),
                    head_bf16=torch.ops.parley.block_matmul(x, codes.bfloat16(), None),
+                   q4=torch.ops.parley.q4_matmul(x, q4.codes, q4.d, q4.m, torch.float32),
                    attn=torch.ops.parley.paged_decode(q, kc, vc, tables, torch.tensor([7, 600]),
                                                       0.125),
                    prompt=torch.ops.parley.paged_prefill(q.repeat(20, 1, 1), kc, vc, tables[0],
@@ -307,6 +310,8 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     # The LM head: 16 lanes in AVX-512 registers, pairs of AVX2 ones, the same tree.
     assert torch.equal(native["head"], avx2["head"])
     assert torch.equal(native["head_bf16"], avx2["head_bf16"])
+    # int4: vdpbf16ps (AVX-512 BF16) against fp32 FMAs in its order (AVX2): the same bits.
+    assert torch.equal(native["q4"], avx2["q4"])
 
 
 def test_the_layer_stack_in_one_call_equals_layer_by_layer(smollm, monkeypatch):

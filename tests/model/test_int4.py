@@ -59,9 +59,55 @@ def test_gguf_q4_blocks_are_served_bit_for_bit(kind):
     exact = Int4Linear(weight, None, torch.float32)(torch.eye(128))
     assert torch.equal(exact.t(), want)
     # And the packed codes themselves, read back through the kernel (scale 1, zero 8: w = q).
-    probe = Int4Weight(weight.codes, torch.ones_like(weight.scale), torch.full_like(weight.zero, 8))
+    probe = Int4Weight(weight.codes, torch.ones_like(weight.scale), torch.zeros_like(weight.offset))
     codes = Int4Linear(probe, None, torch.bfloat16)(torch.eye(128, dtype=torch.bfloat16))
     assert np.array_equal(codes.t().to(torch.uint8).numpy(), nibbles(raw, kind))
+
+
+@pytest.fixture(scope="module")
+def parley_kernels():
+    from app.model import kernels
+
+    why = kernels.load(default_cache_dir())
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_parleys_kernel_serves_the_gguf_weights_exactly(kind, parley_kernels):
+    """Through Parley's q4_matmul: the file's fp16 scales as they are (PyTorch's kernel
+    rounds them to bf16), so a one-hot row reads back the dequantized weights exactly."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 128, generator=g) * torch.rand(96, 1, generator=g)
+    raw = quantize(w.numpy(), GGML[kind])
+    want = torch.from_numpy(dequantize(raw, GGML[kind]))
+    layer = Int4Linear(from_gguf_q4(raw, kind), None, torch.bfloat16, "parley")
+    eye = torch.eye(128, dtype=torch.bfloat16)
+    got = torch.ops.parley.q4_matmul(eye, layer.codes, layer.d, layer.m, torch.float32)
+    assert torch.equal(got.t(), want)
+
+
+def test_parleys_kernel_gives_a_row_the_same_bits_in_any_batch_and_thread_count(parley_kernels):
+    """One arithmetic for one row and for hundreds: a decode's row, a prompt's and a chunk's
+    come out alike, on one thread or several (and close to the exact product)."""
+    g = torch.Generator().manual_seed(5)
+    weight = quantize_rtn(torch.randn(80, 576, generator=g))
+    layer = Int4Linear(weight, None, torch.bfloat16, "parley")
+    x = torch.randn(45, 576, generator=g).bfloat16()
+    whole = layer(x.float())
+    exact = x.double() @ weight.dequantize().double().t()
+    assert ((whole.double() - exact).norm() / exact.norm()) < 1e-6
+    for i in (0, 7, 8, 44):
+        assert torch.equal(layer(x[i : i + 1].float()), whole[i : i + 1]), i
+    assert torch.equal(layer(x[3:20].float()), whole[3:20])
+    assert torch.equal(layer(x), whole.bfloat16())  # bf16 out: the fp32 sum rounded once
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(layer(x.float()), whole), n
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bf16_activations_differ_only_by_bf16_rounding():

@@ -1,6 +1,6 @@
-"""Parley's fused CPU kernels (cpu_kernels.cpp: the layers' small ops and attention;
-matmul.cpp: the LM head's matmul), compiled once per machine and loaded as
-`torch.ops.parley.*`.
+"""Parley's CPU kernels (cpu_kernels.cpp: the layers' small ops and attention; matmul.cpp:
+the LM head's matmul; qmatmul.cpp: the int4 linears' matmul), compiled once per machine and
+loaded as `torch.ops.parley.*`.
 
 A decode step at one request is ~40 small tensor ops a layer, each a few microseconds of
 dispatch for a few thousand multiply-adds; the kernels here do a layer's norms, rotary,
@@ -31,7 +31,9 @@ from app.model import cpu
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "matmul.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "matmul.cpp", "qmatmul.cpp")
+)
 # -ffp-contract=off: no fused multiply-adds the C++ does not spell out, so that products and
 # sums round as PyTorch's separate ops round them.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")

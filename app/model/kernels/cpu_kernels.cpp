@@ -29,6 +29,11 @@
 #include <immintrin.h>
 #endif
 
+namespace parley_kernels {  // qmatmul.cpp
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                     const at::Tensor& m, c10::optional<at::ScalarType> out_dtype);
+}
+
 namespace {
 
 constexpr int kLanes = 16;  // partial sums kept apart, so that sums vectorize without -ffast-math
@@ -835,41 +840,45 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
 // A decode step's layer stack in one call, for int4 weights: the same ops in the same order
 // as the Python layer with FusedCpuOps (so the same bits), without ~15 Python calls a layer.
 //
-// weights: per layer qkv, o_proj, gate_up, down as (packed, scale_zero) pairs, then the
-// input and post norms' weights: 10 tensors a layer.
+// weights: per layer qkv, o_proj, gate_up, down as (codes, d, m) for parley::q4_matmul
+// (qmatmul.cpp), then the input and post norms' weights: 14 tensors a layer.
+
+at::Tensor q4(const at::Tensor& x, const at::Tensor* w) {
+  return parley_kernels::q4_matmul(x, w[0], w[1], w[2], x.scalar_type());
+}
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& h0, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& tables,
     const at::Tensor& lens, at::TensorList k_caches, at::TensorList v_caches,
-    at::TensorList weights, int64_t heads, int64_t kv_heads, int64_t group, double eps,
-    double scale) {
+    at::TensorList weights, int64_t heads, int64_t kv_heads, double eps, double scale) {
+  constexpr int64_t kPerLayer = 14;
   const int64_t layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == static_cast<size_t>(layers) &&
-                  weights.size() == static_cast<size_t>(10 * layers),
-              "decode_layers: 2 caches and 10 weights a layer");
+                  weights.size() == static_cast<size_t>(kPerLayer * layers),
+              "decode_layers: 2 caches and 14 weights a layer");
   const int64_t T = h0.size(0), D = cos.size(1);
   const int64_t q_size = heads * D;
   at::Tensor h = h0, residual;
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + 10 * l;
+    const at::Tensor* w = weights.data() + kPerLayer * l;
     at::Tensor x;
     if (l == 0) {
-      x = rms_norm(h, w[8], eps);
+      x = rms_norm(h, w[12], eps);
       residual = h;
     } else {
-      std::tie(x, residual) = add_rms_norm(h, residual, w[8], eps);
+      std::tie(x, residual) = add_rms_norm(h, residual, w[12], eps);
     }
-    auto qkv = at::_weight_int4pack_mm_for_cpu(x, w[0], group, w[1]);
+    auto qkv = q4(x, w);
     auto qk = rope_store(qkv, cos, sin, positions, slots, k_caches[l], v_caches[l], heads,
                          kv_heads);
     auto o = paged_decode(qk.narrow(1, 0, heads), k_caches[l], v_caches[l], tables, lens, scale);
-    auto attn = at::_weight_int4pack_mm_for_cpu(o.view({T, q_size}), w[2], group, w[3]);
-    std::tie(x, residual) = add_rms_norm(attn, residual, w[9], eps);
-    auto gate_up = at::_weight_int4pack_mm_for_cpu(x, w[4], group, w[5]);
+    auto attn = q4(o.view({T, q_size}), w + 3);
+    std::tie(x, residual) = add_rms_norm(attn, residual, w[13], eps);
+    auto gate_up = q4(x, w + 6);
     auto halves = gate_up.chunk(2, -1);
     auto act = at::silu(halves[0]).mul_(halves[1]);
-    h = at::_weight_int4pack_mm_for_cpu(act, w[6], group, w[7]);
+    h = q4(act, w + 9);
   }
   return {h, residual};
 }
@@ -891,7 +900,7 @@ TORCH_LIBRARY(parley, m) {
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor positions, Tensor slots, "
       "Tensor tables, Tensor lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-      "Tensor[] weights, int heads, int kv_heads, int group, float eps, float scale) "
+      "Tensor[] weights, int heads, int kv_heads, float eps, float scale) "
       "-> (Tensor, Tensor)");
 }
 

@@ -58,11 +58,14 @@ def int4_shape_ok(out_features: int, in_features: int) -> bool:
 @dataclass
 class Int4Weight:
     """A weight [N, K] as 4-bit codes in groups of GROUP along K:
-    w[n, k] = (q[n, k] - 8) * scale[n, k // GROUP] + zero[n, k // GROUP]."""
+    w[n, k] = q[n, k] * scale[n, k // GROUP] + offset[n, k // GROUP], q in 0..15.
+
+    GGUF's blocks are this form as they are (Q4_1: d and m; Q4_0: d and -8 d), and scale
+    and offset are fp16 values, as the file stores them (held as fp32)."""
 
     codes: torch.Tensor  # uint8 [N, K / 2]: q[n, 2j] in the low nibble, q[n, 2j + 1] high
     scale: torch.Tensor  # float32 [N, K / GROUP]
-    zero: torch.Tensor  # float32 [N, K / GROUP]
+    offset: torch.Tensor  # float32 [N, K / GROUP]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,8 +82,8 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
-        q = self.unpacked().view(n, k // GROUP, GROUP).float() - 8
-        return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, k)
+        q = self.unpacked().view(n, k // GROUP, GROUP).float()
+        return (q * self.scale[..., None] + self.offset[..., None]).reshape(n, k)
 
     @staticmethod
     def pack_codes(q: torch.Tensor) -> torch.Tensor:
@@ -91,38 +94,41 @@ class Int4Weight:
     @classmethod
     def cat(cls, parts: list[Int4Weight]) -> Int4Weight:
         """Stacked rows (the fused qkv and gate_up projections)."""
-        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")))
+        fields = ("codes", "scale", "offset")
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
 
     def state(self, prefix: str) -> dict[str, torch.Tensor]:
         return {
             f"{prefix}.codes": self.codes,
             f"{prefix}.scale": self.scale,
-            f"{prefix}.zero": self.zero,
+            f"{prefix}.offset": self.offset,
         }
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], prefix: str) -> Int4Weight:
-        return cls(*(state.pop(f"{prefix}.{f}") for f in ("codes", "scale", "zero")))
+        return cls(*(state.pop(f"{prefix}.{f}") for f in ("codes", "scale", "offset")))
 
 
 def quantize_rtn(w: torch.Tensor) -> Int4Weight:
     """Float weight [N, K] -> 4 bits per weight, rounded to nearest, with each group's
-    minimum and maximum as the ends of its 16 levels (like llama.cpp's Q4_1)."""
+    minimum and maximum as the ends of its 16 levels, scale and offset in fp16 (llama.cpp's
+    Q4_1)."""
     n, k = w.shape
     g = w.detach().float().reshape(n, k // GROUP, GROUP)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale = (hi - lo) / 15
+    lo = lo.half().float()
+    scale = ((hi - lo) / 15).half().float()
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     q = torch.round((g - lo[..., None]) * inv[..., None]).clamp_(0, 15)
-    return Int4Weight(Int4Weight.pack_codes(q.reshape(n, k)), scale, lo + 8 * scale)
+    return Int4Weight(Int4Weight.pack_codes(q.reshape(n, k)), scale, lo)
 
 
 def from_gguf_q4(blocks: np.ndarray, kind: str) -> Int4Weight:
     """Raw GGUF Q4_0 / Q4_1 blocks of a weight, uint8 [N, K / 32 * block bytes], rows in
-    the order wanted -> the same codes, bit for bit, with the kernel's scale and zero.
+    the order wanted -> the same codes, scales and offsets, bit for bit.
 
     A block is d (fp16), m (fp16, Q4_1 only), then 16 bytes: byte j holds weight j in its
-    low nibble and weight j + 16 in its high one."""
+    low nibble and weight j + 16 in its high one. Q4_1: w = d q + m; Q4_0: w = d (q - 8)."""
     head = {"Q4_0": 2, "Q4_1": 4}[kind]
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, head + GROUP // 2)
@@ -130,40 +136,86 @@ def from_gguf_q4(blocks: np.ndarray, kind: str) -> Int4Weight:
     qs = b[..., head:]
     q = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, -1)  # [N, K], in order
     if kind == "Q4_1":
-        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d
+        offset = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:
-        zero = np.zeros_like(d)
+        offset = -8 * d  # exact: a power of two times an fp16
     return Int4Weight(
-        Int4Weight.pack_codes(torch.from_numpy(q)), torch.from_numpy(d), torch.from_numpy(zero)
+        Int4Weight.pack_codes(torch.from_numpy(q)), torch.from_numpy(d), torch.from_numpy(offset)
     )
 
 
+TILE = 16  # output rows a tile of Parley's q4_matmul
+
+
+def parley_layout(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The codes, scales and offsets as app/model/kernels/qmatmul.cpp reads them: per tile
+    of 16 rows, K / 4 chunks of 32 bytes (byte 2n + j of chunk c: q(n, 4c + j) low,
+    q(n, 4c + 2 + j) high); scales and offsets fp16 [tiles, K / 32, 16]."""
+    n, k = weight.shape
+    tiles = n // TILE
+    q = weight.unpacked().numpy().reshape(tiles, TILE, k // 4, 2, 2)  # (t, n, c, h, j)
+    chunks = (q[:, :, :, 0, :] | (q[:, :, :, 1, :] << 4)).transpose(0, 2, 1, 3)  # (t, c, n, j)
+    codes = torch.from_numpy(np.ascontiguousarray(chunks).reshape(-1))
+
+    def tiled(v: torch.Tensor) -> torch.Tensor:
+        return v.reshape(tiles, TILE, k // GROUP).transpose(1, 2).contiguous().half()
+
+    return codes, tiled(weight.scale), tiled(weight.offset)
+
+
+def parley_available() -> bool:
+    """Whether Parley's kernels (and so `parley.q4_matmul`) are loaded in this process."""
+    return hasattr(torch.ops, "parley") and hasattr(torch.ops.parley, "q4_matmul")
+
+
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W in 4-bit groups, run by the int4 kernel in `dtype` (bf16: the
-    vectorized path; float32: exact, slow). Inputs of another dtype are converted in and
-    the result converted back; the bias is added in the inputs' dtype (give it in that).
+    """y = x W^T + b with W in 4-bit groups. Two kernels:
 
-    The kernel computes each row of x on its own (a row's result never depends on its
-    batch) and dequantizes the weights again for every 4 rows: ideal for decode, where a
-    few rows read 4-bit weights once, but bound by that arithmetic for a long prompt's
-    prefill (bench/README.md, "int4 weights", has the numbers)."""
+    - "parley" (app/model/kernels/qmatmul.cpp): bf16 activations against the codes with
+      the file's fp16 scales, the same arithmetic for one row and for thousands, and fast
+      at both (bf16 dot products where the CPU has them). The default where Parley's
+      kernels are built.
+    - "aten": PyTorch's CPU int4 kernel in `dtype` (bf16: vectorized; float32: exact but
+      ~40x slower, for tests), with scale and zero rounded to `dtype`. A row's result never
+      depends on its batch, but it dequantizes the weights again for every 4 rows: bound by
+      that arithmetic at a prompt's row counts.
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
+    Inputs of another dtype are converted in and the result converted back; the bias is
+    added in the inputs' dtype (give it in that)."""
+
+    def __init__(
+        self,
+        weight: Int4Weight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        kernel: str = "aten",
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if not int4_shape_ok(self.out_features, self.in_features):
             raise ValueError(f"int4 needs rows % 16 == 0 and columns % {GROUP} == 0")
-        self.dtype = dtype
-        self.packed = _pack(torch.from_numpy(weight.unpacked().numpy().astype(np.int32)), 1)
-        # [K / GROUP, N, 2]: (scale, zero) of each group, in the kernel's dtype.
-        self.scale_zero = torch.stack((weight.scale, weight.zero), dim=-1).transpose(0, 1)
-        self.scale_zero = self.scale_zero.contiguous().to(dtype)
+        if kernel not in ("aten", "parley"):
+            raise ValueError(f"int4 kernel must be aten or parley, not {kernel!r}")
+        self.kernel = kernel
+        self.dtype = torch.bfloat16 if kernel == "parley" else dtype
         self.bias = bias
+        if kernel == "parley":
+            self.codes, self.d, self.m = parley_layout(weight)
+            self.weight_nbytes = self.codes.numel() + self.d.nbytes + self.m.nbytes
+            return
+        self.packed = _pack(torch.from_numpy(weight.unpacked().numpy().astype(np.int32)), 1)
+        # [K / GROUP, N, 2]: (scale, zero) of each group, in the kernel's dtype, for its
+        # w = (q - 8) * scale + zero.
+        zero = weight.offset + 8 * weight.scale
+        self.scale_zero = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1)
+        self.scale_zero = self.scale_zero.contiguous().to(dtype)
         self.weight_nbytes = self.packed.numel() + self.scale_zero.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.dtype and self.bias is None:  # the default: no conversions
+        if self.kernel == "parley":
+            y = torch.ops.parley.q4_matmul(x.contiguous(), self.codes, self.d, self.m, x.dtype)
+            return y if self.bias is None else y.add_(self.bias)
+        if x.dtype == self.dtype and self.bias is None:
             return _int4_mm(x.contiguous(), self.packed, GROUP, self.scale_zero)
         y = _int4_mm(x.to(self.dtype).contiguous(), self.packed, GROUP, self.scale_zero)
         y = y.to(x.dtype)
@@ -171,7 +223,8 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, int4 {self.dtype}"
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 on {self.kernel}, {self.dtype}"
         )
 
 
@@ -241,10 +294,12 @@ def model_from_int4(
     dtype: torch.dtype,
     max_positions: int,
     kernel_dtype: torch.dtype = torch.bfloat16,
+    kernel: str = "aten",
 ) -> LlamaModel:
-    """The decoder with 4-bit linears and activations in `dtype`. The int4 matmuls run in
-    `kernel_dtype`: bf16, the kernel's fast path, whatever `dtype` is (an fp32 model rounds
-    only the matmuls' inputs to bf16); float32 is exact and ~40x slower, for tests.
+    """The decoder with 4-bit linears and activations in `dtype`. The int4 matmuls run on
+    `kernel` (Int4Linear: "parley" or "aten"); on ATen's, in `kernel_dtype`: bf16, the fast
+    path, whatever `dtype` is (an fp32 model rounds only the matmuls' inputs to bf16);
+    float32 is exact and ~40x slower, for tests. Parley's always takes bf16 inputs.
 
     From `weights` (our names, any float dtype) it takes what stays float: the embedding,
     the norms, biases, and the LM head. (Rounded to 4 bits the LM head costs the default
@@ -257,7 +312,7 @@ def model_from_int4(
             p = f"layers.{i}.{name}"
             bias = weights.get(f"{p}.bias")
             bias = None if bias is None else bias.to(dtype, copy=True)
-            setattr(layer, name, Int4Linear(linears.pop(p), bias, kernel_dtype))
+            setattr(layer, name, Int4Linear(linears.pop(p), bias, kernel_dtype, kernel))
             float_names += [f"{p}.weight", f"{p}.bias"]
     # Copies in the model's dtype: the sources may be memory-mapped from the cache.
     plain = {k: v.to(dtype, copy=True) for k, v in weights.items() if k not in float_names}
