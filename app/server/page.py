@@ -5,7 +5,6 @@ settings, so that a field left empty says what the server will use)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from app.engine.outputs import ModelInfo
@@ -27,11 +26,9 @@ def sampling_defaults() -> dict[str, Any]:
 def page_context(info: ModelInfo) -> dict[str, Any]:
     return {
         "model_name": info.name,
-        "page_config": json.dumps(
-            {
-                "model": info.name,
-                "context_window": info.max_model_len,
-                "defaults": sampling_defaults(),
-            }
-        ),
+        "page_config": {  # as JSON in the page (Jinja's tojson escapes it for HTML)
+            "model": info.name,
+            "context_window": info.max_model_len,
+            "defaults": sampling_defaults(),
+        },
     }
