@@ -28,6 +28,7 @@ export class Markdown {
     } else if (bubble.shown === undefined || bubble.shown.text !== text) {
       bubble.replaceChildren(paragraph(text));
       bubble.shown = undefined;
+      bubble.classList.remove("rendered");
     }
     if (bubble.pending) return; // asks again for bubble.wanted when the answer is in
     bubble.pending = true;
@@ -99,6 +100,7 @@ export class Markdown {
     } else if (live) {
       live.remove();
     }
+    bubble.classList.toggle("rendered", !tail); // all of the text is rendered
   }
 }
 

@@ -34,10 +34,10 @@ def test_real_model_chat_reuses_kv_and_screenshot(smollm, browser, tmp_path):
         page.goto(server.url)
         page.wait_for_selector("#connection[data-state=open]")
         page.click("#toggle-settings")
-        page.fill("#temperature", "0")
-        page.fill("#max-tokens", "80")
-        page.dispatch_event("#temperature", "change")
-        page.dispatch_event("#max-tokens", "change")
+        page.fill("#setting-temperature", "0")
+        page.fill("#setting-max-tokens", "80")
+        page.dispatch_event("#setting-temperature", "change")
+        page.dispatch_event("#setting-max-tokens", "change")
         page.click("#toggle-settings")
         for i, question in enumerate(
             [
