@@ -2,9 +2,11 @@
 // and Pygments, app/server/markdown.py), which escapes any HTML in model text, so its
 // answer is set as it comes. Texts asked for in the same tick go in one request; a reply
 // that streams shows its last rendered text plus the raw tail, and asks again once the
-// answer is in (one request in flight per reply, so a fast stream never queues them).
+// answer is in (one request in flight per reply, so a fast stream never queues them, and
+// never sooner than four times the last request took).
 
 const CACHE_LIMIT = 400;
+const MIN_INTERVAL_MS = 100;
 
 export class Markdown {
   constructor(url = "/render") {
@@ -55,6 +57,7 @@ export class Markdown {
     this.flushing = false;
     const texts = [...batch.keys()];
     let html = null;
+    const started = performance.now();
     try {
       const response = await fetch(this.url, {
         method: "POST",
@@ -65,6 +68,9 @@ export class Markdown {
     } catch {
       html = null;
     }
+    // A streaming reply asks again after at least four times what this took: rendering
+    // runs on the cores the model runs on, so a long reply costs it at most ~1/5 of one.
+    const again = html ? Math.max(MIN_INTERVAL_MS, 4 * (performance.now() - started)) : 1000;
     texts.forEach((text, i) => {
       if (html) {
         this.cache.set(text, html[i]);
@@ -73,8 +79,8 @@ export class Markdown {
       for (const bubble of batch.get(text)) {
         bubble.pending = false;
         if (html && bubble.wanted.startsWith(text)) this.fill(bubble, text, html[i], bubble.wanted.slice(text.length));
-        if (bubble.wanted !== text && bubble.isConnected) {
-          setTimeout(() => this.show(bubble, bubble.wanted), html ? 60 : 1000);
+        if ((bubble.wanted !== text || !html) && bubble.isConnected) {
+          setTimeout(() => this.show(bubble, bubble.wanted), again);
         }
       }
     });

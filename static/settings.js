@@ -19,8 +19,11 @@ export const FIELDS = [
   ["ignore_eos", "Ignore end of text", "checkbox"],
 ];
 
-function describe(value) {
-  if (value === null || value === undefined) return "none";
+// What a default of null means, where "none" would not say it.
+const UNSET = { max_tokens: "up to the window", seed: "random" };
+
+function describe(value, key) {
+  if (value === null || value === undefined) return UNSET[key] ?? "none";
   if (Array.isArray(value)) return value.length ? value.join(", ") : "none";
   if (typeof value === "boolean") return value ? "on" : "off";
   return String(value);
@@ -57,8 +60,8 @@ export class SettingsPanel {
       input.dataset.key = key;
       const hint = document.createElement("small");
       hint.className = "default";
-      hint.textContent = `default: ${describe(this.defaults[key])}`;
-      if (type !== "checkbox") input.placeholder = describe(this.defaults[key]);
+      hint.textContent = `default: ${describe(this.defaults[key], key)}`;
+      if (type !== "checkbox") input.placeholder = describe(this.defaults[key], key);
       input.addEventListener("change", () => this.read(key, type, input));
       if (type === "checkbox") wrap.append(input, name, hint);
       else wrap.append(name, input, hint);

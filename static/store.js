@@ -181,12 +181,17 @@ function importOne(c, i) {
   if (!c || typeof c !== "object") throw new Error(`conversation ${i + 1} is not an object`);
   let nodes;
   if (c.nodes && typeof c.nodes === "object" && c.nodes.root) {
-    nodes = c.nodes;
-    for (const [id, n] of Object.entries(nodes)) {
+    nodes = {};
+    for (const [id, n] of Object.entries(c.nodes)) {
+      // Each child names its parent back: no cycles, no message in two places.
       const ok =
-        n && Array.isArray(n.children) && n.children.every((k) => k in nodes) &&
-        (id === "root" || (ROLES.has(n.role) && typeof n.content === "string" && n.parent in nodes));
+        n && n.id === id && Array.isArray(n.children) &&
+        n.children.every((k) => c.nodes[k]?.parent === id) &&
+        (id === "root" || (ROLES.has(n.role) && typeof n.content === "string" && n.parent in c.nodes));
       if (!ok) throw new Error(`conversation ${i + 1}: message ${id} is malformed`);
+      const { turnId, lastSeq, partial, ...kept } = n; // nothing of it is in flight here
+      const active = Number.isInteger(n.active) && n.active >= 0 ? n.active : 0;
+      nodes[id] = { ...kept, active };
     }
   } else if (Array.isArray(c.messages)) {
     const messages = c.messages.filter((m) => ROLES.has(m?.role) && typeof m.content === "string");

@@ -36,6 +36,7 @@ export class Thread {
 
   // Build the list for `messages` (the path shown); `live` is the reply streaming, if any.
   render(conversation, messages, live, context) {
+    if (conversation !== this.conversation) this.following = true; // another chat: its end
     this.conversation = conversation;
     this.context = context;
     const keep = this.following;

@@ -14,6 +14,7 @@ the renderer and checks every tag and attribute against ALLOWED.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 
@@ -90,16 +91,19 @@ def _cell_open(self, tokens, idx, options, env) -> str:
 _FORMATTER = HtmlFormatter(nowrap=True)
 
 
+@functools.lru_cache(maxsize=64)
+def _lexer(lang: str):
+    try:
+        return get_lexer_by_name(lang, stripnl=False, ensurenl=False)
+    except ClassNotFound:
+        return None
+
+
 def _highlight(code: str, lang: str, attrs: str) -> str:
     """Pygments' spans for a fenced block whose info string names a language it knows;
     "" leaves the block to markdown-it, which escapes it as plain code."""
-    if not lang:
-        return ""
-    try:
-        lexer = get_lexer_by_name(lang.lower(), stripnl=False, ensurenl=False)
-    except ClassNotFound:
-        return ""
-    return highlight(code, lexer, _FORMATTER)
+    lexer = _lexer(lang.lower()[:40]) if lang else None
+    return highlight(code, lexer, _FORMATTER) if lexer is not None else ""
 
 
 LIGHT_STYLE, DARK_STYLE = "default", "github-dark"

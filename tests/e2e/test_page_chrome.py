@@ -47,7 +47,9 @@ def test_every_sampling_parameter_per_conversation_with_defaults_shown(browser, 
         hint = page.locator(f"#setting-{key.replace('_', '-')}").locator("..").locator(".default")
         if isinstance(default, bool):
             shown = "on" if default else "off"
-        elif default is None or default == []:
+        elif default is None:
+            shown = {"max_tokens": "up to the window", "seed": "random"}[key]
+        elif default == []:
             shown = "none"
         else:
             shown = f"{default:g}"  # as JavaScript writes a number
