@@ -5,14 +5,20 @@
 
 Every flag has an environment variable: PARLEY_ and the flag's name in capitals
 (--kv-cache-size -> PARLEY_KV_CACHE_SIZE); a flag given on the command line wins.
+
+A start says what it is doing (fetching the model once, converting it once, compiling the
+CPU kernels once, loading) and prints the address only once the page answers. The port is
+taken before anything loads, so a port in use is found at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
+import socket
 import sys
 import time
 
@@ -194,19 +200,63 @@ FLAGS: list[tuple[str, dict]] = [
 ]
 
 
+# --help in groups, in this order; every flag belongs to one (tests/test_main.py checks).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("--model", "--quantization", "--dtype", "--cpu-kernels", "--device",
+              "--cuda-graphs", "--threads"),
+    "engine": ("--kv-cache-size", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
+               "--batching", "--itl-target-ms", "--session-ttl", "--max-waiting",
+               "--request-timeout"),
+    "server": ("--host", "--port", "--max-turns-per-socket", "--max-connections",
+               "--resume-grace", "--otlp-endpoint", "--log-level"),
+    "security": ("--api-key", "--api-keys-file", "--prefix-cache-isolation",
+                 "--allowed-origins"),
+    "tier (K/V beyond the cache)": ("--kv-tier", "--kv-tier-ttl", "--kv-tier-store"),
+    "journal (turns that survive a restart)": ("--journal", "--journal-required",
+                                               "--journal-consumer", "--journal-claim-after"),
+    "cluster": ("--replicas", "--ray-address"),
+    "one reply in the terminal": ("--prompt", "--system", "--max-tokens", "--temperature"),
+}  # fmt: skip
+OTHER_GROUP = "other"
+
+
 def env_name(flag: str) -> str:
     return "PARLEY_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+def _with_default(kw: dict) -> str:
+    """The flag's help, ending with its default unless the help already says it."""
+    text = kw.get("help", "")
+    if "default" in text:
+        return text
+    default = kw.get("default")
+    if kw.get("action") in ("store_true", argparse.BooleanOptionalAction):
+        shown = "on" if flag_true(default or False) else "off"
+    elif default is None or default == "":
+        shown = "none"
+    else:
+        shown = str(default)
+    return f"{text} (default: {shown})".strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="parley", description="Parley: a chat server for LLMs.")
+    p = argparse.ArgumentParser(
+        prog="parley",
+        usage="parley [options]  (or: python -m app [options])",
+        description="Parley: a chat server for LLMs. `parley` and `python -m app` are the "
+        "same command.",
+        epilog="Every flag can be set by an environment variable (shown as [env ...]); "
+        "a flag on the command line wins.",
+    )
+    groups = {title: p.add_argument_group(title) for title in (*GROUPS, OTHER_GROUP)}
+    group_of = {flag: title for title, flags in GROUPS.items() for flag in flags}
     for flag, kw in FLAGS:
         kw = dict(kw)
         env = os.environ.get(env_name(flag))
         if env is not None:
             kw["default"] = env  # argparse applies `type` to string defaults too
-        kw["help"] = (kw.get("help", "") + f" [env {env_name(flag)}]").strip()
-        p.add_argument(flag, **kw)
+        kw["help"] = f"{_with_default(kw)} [env {env_name(flag)}]"
+        groups[group_of.get(flag, OTHER_GROUP)].add_argument(flag, **kw)
     return p
 
 
@@ -299,15 +349,61 @@ def server_config(args: argparse.Namespace):
     )
 
 
+def take_port(host: str, port: int) -> socket.socket:
+    """Take the server's socket before anything loads: a port in use exits at once, naming
+    a free one. It listens at once too (with SO_REUSEADDR a bound socket that does not
+    listen would not keep another process off the port): a browser that connects while the
+    model loads waits in the backlog and is answered once the app is ready."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            free = free_port(host, port)
+            hint = f"--port {free}" if free else "--port with another number"
+            raise SystemExit(
+                f"parley: port {port} on {host} is already in use (another Parley, or another "
+                f"server): stop it, or start on another port, e.g. {hint}"
+            ) from None
+        if exc.errno == errno.EACCES:
+            raise SystemExit(
+                f"parley: not allowed to listen on port {port} (ports below 1024 need root): "
+                "try --port 8000"
+            ) from None
+        raise SystemExit(f"parley: cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)  # uvicorn's backlog
+    return sock
+
+
+def free_port(host: str, taken: int) -> int | None:
+    """A free port just above `taken`, if one of the next few is free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in range(taken + 1, min(taken + 20, 65536)):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+                return port
+            except OSError:
+                continue
+    return None
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from app.server.app import create_app
     from app.server.protocol import MAX_FRAME_BYTES
 
+    sock = take_port(args.host, args.port)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}/"
+    model = args.model or "SmolLM2-135M-Instruct (the default)"
+    print(f"Parley: starting on {args.host}:{args.port}; loading {model}...", file=sys.stderr)
     app = create_app(engine_config(args), server_config(args))
-    print(f"Parley: open http://{args.host}:{args.port}/ in a browser", file=sys.stderr)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -319,6 +415,23 @@ def serve(args: argparse.Namespace) -> None:
         # more CPU than anything else it does per token, on the cores the model runs on.
         ws_per_message_deflate=False,
     )
+    ReadyServer(config, url).run(sockets=[sock])
+
+
+class ReadyServer:
+    """uvicorn's Server that prints the page's address once the app is up and listening
+    (after the lifespan loaded the model), not before."""
+
+    def __new__(cls, config, url: str):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets)
+                if not self.should_exit:
+                    print(f"Parley is ready: open {url} in a browser", file=sys.stderr, flush=True)
+
+        return _Server(config)
 
 
 def generate_once(args: argparse.Namespace) -> None:

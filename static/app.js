@@ -1,17 +1,23 @@
-// Parley's chat page: conversations, streaming replies, stop / regenerate / edit.
+// Parley's chat page: conversations with branches, streaming replies, per-chat settings.
 //
-// The browser keeps each conversation (store.js) and sends the whole history with every
-// turn; the server keeps the conversation's K/V between turns, so only the new tokens
-// cost anything. Model text is rendered by markdown.js as DOM nodes, never as HTML.
+// The browser keeps each conversation (store.js, tree.js) and sends the path shown with
+// every turn; the server keeps the conversation's K/V between turns, so only the new tokens
+// cost anything, and drops the oldest turns when the model's window is full (the thread
+// says so). Replies are rendered by the server (markdown.js), which escapes model HTML.
 
 import { Connection } from "./connection.js";
-import { renderMarkdown } from "./markdown.js";
+import { Markdown } from "./markdown.js";
+import { SettingsPanel, turnSettings } from "./settings.js";
 import { Store, uid } from "./store.js";
+import { Thread, button } from "./thread.js";
+import { ROOT, append, path, pathTo, remove, shift } from "./tree.js";
 
 const $ = (id) => document.getElementById(id);
+const config = JSON.parse($("page-config").textContent);
 const store = new Store();
+const markdown = new Markdown();
 const inflight = new Map(); // conversation id -> { turnId, message }
-let renderQueued = false;
+let liveQueued = false;
 
 const wsUrl = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`;
 const connection = new Connection(wsUrl, {
@@ -21,12 +27,42 @@ const connection = new Connection(wsUrl, {
   },
 });
 
+const thread = new Thread($("messages"), $("jump"), markdown, {
+  idle: () => !inflight.has(store.currentId),
+  edit: (m, text) => {
+    const conversation = store.current;
+    startTurn(conversation, append(conversation, m.parent, { role: "user", content: text }, uid()));
+  },
+  regenerate: (m) => startTurn(store.current, store.current.nodes[m.parent]),
+  resume: (m) => startTurn(store.current, store.current.nodes[m.parent], m),
+  remove: (m) => {
+    remove(store.current, m);
+    store.touch(store.current);
+    renderMessages();
+  },
+  shift: (m, delta) => {
+    shift(store.current, m, delta);
+    store.save();
+    renderMessages();
+  },
+  redraw: () => renderMessages(),
+});
+
+const settings = new SettingsPanel($("settings"), config.defaults, {
+  onChange: () => store.save(),
+  onSaveDefaults: (values) => {
+    store.newChatSettings = values;
+    store.save();
+  },
+});
+
 // -- conversations ------------------------------------------------------------------
 
 function renderSidebar() {
   const list = $("conversations");
   list.replaceChildren();
-  for (const c of store.conversations) {
+  const shown = store.search($("search").value);
+  for (const c of shown) {
     const li = document.createElement("li");
     li.className = c.id === store.currentId ? "active" : "";
     li.dataset.id = c.id;
@@ -38,16 +74,22 @@ function renderSidebar() {
       e.stopPropagation();
       startRename(li, c);
     });
-    const del = button("✕", "link delete", "Delete", (e) => {
+    const del = button("✕", "link delete", "Delete conversation", (e) => {
       e.stopPropagation();
       if (confirm(`Delete “${c.title}”?`)) deleteConversation(c.id);
     });
     li.append(name, rename, del);
     li.addEventListener("click", () => {
       store.select(c.id);
-      $("sidebar").classList.remove("open");
+      closeSidebar();
       renderAll();
     });
+    list.append(li);
+  }
+  if (!shown.length) {
+    const li = document.createElement("li");
+    li.className = "none";
+    li.textContent = "No conversation matches.";
     list.append(li);
   }
 }
@@ -59,7 +101,10 @@ function startRename(li, conversation) {
   li.replaceChildren(input);
   input.focus();
   input.select();
+  let done = false;
   const finish = (keep) => {
+    if (done) return;
+    done = true;
     if (keep) store.rename(conversation.id, input.value);
     renderSidebar();
   };
@@ -80,93 +125,60 @@ function deleteConversation(id) {
   renderAll();
 }
 
+function exportConversations() {
+  const blob = new Blob([store.exportJSON()], { type: "application/json" });
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(blob);
+  a.download = `parley-conversations-${new Date().toISOString().slice(0, 10)}.json`;
+  a.click();
+  setTimeout(() => URL.revokeObjectURL(a.href), 1000);
+}
+
+async function importConversations(file) {
+  const note = $("sidebar-note");
+  try {
+    const n = store.importJSON(await file.text());
+    note.textContent = `Imported ${n} conversation${n === 1 ? "" : "s"}.`;
+    note.className = "note";
+    renderAll();
+  } catch (err) {
+    note.textContent = `Import failed: ${err.message}.`;
+    note.className = "note error";
+  }
+}
+
 // -- messages -----------------------------------------------------------------------
 
 function renderMessages() {
-  const box = $("messages");
   const conversation = store.current;
-  box.replaceChildren();
-  if (!conversation.messages.length) {
-    const empty = document.createElement("div");
-    empty.className = "empty";
-    empty.textContent = "Ask anything. Replies stream as they are written.";
-    box.append(empty);
-  }
-  conversation.messages.forEach((m, index) => box.append(messageElement(conversation, m, index)));
-  box.scrollTop = box.scrollHeight;
+  thread.render(conversation, path(conversation), inflight.get(conversation.id)?.message, config.context_window);
+  settings.show(conversation);
+  updateGauge();
   updateComposer();
 }
 
-function messageElement(conversation, m, index) {
-  const el = document.createElement("div");
-  el.className = `message ${m.role}`;
-  const live = inflight.get(conversation.id)?.message === m;
-  if (live) el.classList.add("streaming");
-  const bubble = document.createElement("div");
-  bubble.className = "bubble";
-  if (m.role === "assistant") bubble.append(renderMarkdown(m.content));
-  else bubble.textContent = m.content;
-  const meta = document.createElement("div");
-  meta.className = "meta";
-  if (m.role === "assistant") {
-    const stats = document.createElement("span");
-    stats.className = "stats";
-    stats.textContent = statsText(m);
-    meta.append(stats);
-    if (m.error) {
-      const err = document.createElement("span");
-      err.className = "error";
-      err.textContent = m.error;
-      meta.append(err);
-    }
-    const last = index === conversation.messages.length - 1;
-    if (last && !live) meta.append(button("↻ Regenerate", "link regenerate", "Regenerate", () => regenerate()));
-  } else if (m.role === "user" && !inflight.has(conversation.id)) {
-    meta.append(button("✎ Edit", "link edit", "Edit and resend", () => startEdit(el, conversation, index)));
-  }
-  el.append(bubble, meta);
-  return el;
+// The latest turn's context use: its prompt and its reply so far.
+function updateGauge() {
+  const gauge = $("gauge");
+  const last = [...path(store.current)].reverse().find((m) => m.role === "assistant" && m.prompt_tokens != null);
+  const used = last ? last.prompt_tokens + (last.stats?.completion_tokens ?? last.liveTokens ?? 0) : 0;
+  const window = config.context_window;
+  const meter = gauge.querySelector("meter");
+  Object.assign(meter, { max: window, low: 0.7 * window, high: 0.9 * window, optimum: 0 });
+  meter.value = Math.min(used, window);
+  gauge.querySelector(".label").textContent = `${used.toLocaleString("en")} / ${window.toLocaleString("en")}`;
+  gauge.title = `Context used by the latest turn: ${used} of the model's ${window} tokens. When it is full, the oldest turns are dropped.`;
 }
 
-function statsText(m) {
-  const s = m.stats;
-  if (!s) return m.stopped ? "stopped" : "";
-  const parts = [];
-  if (s.ttft_ms != null) parts.push(`TTFT ${Math.round(s.ttft_ms)} ms`);
-  if (s.tokens_per_s != null) parts.push(`${s.tokens_per_s.toFixed(1)} tok/s`);
-  if (s.prompt_tokens != null) parts.push(`reused ${s.cached_tokens} of ${s.prompt_tokens} prompt tokens`);
-  if (m.stopped) parts.push("stopped");
-  return parts.join(" · ");
-}
-
-function startEdit(el, conversation, index) {
-  const original = conversation.messages[index].content;
-  const area = document.createElement("textarea");
-  area.className = "edit";
-  area.value = original;
-  const save = button("Save & send", "primary save", "Save and resend", () => {
-    const text = area.value.trim();
-    if (!text) return;
-    conversation.messages = conversation.messages.slice(0, index);
-    conversation.messages.push({ role: "user", content: text });
-    store.touch(conversation);
-    startTurn(conversation);
-  });
-  const cancel = button("Cancel", "", "Cancel editing", () => renderMessages());
-  const meta = document.createElement("div");
-  meta.className = "meta";
-  meta.append(save, cancel);
-  el.replaceChildren(area, meta);
-  area.focus();
-}
-
-// Re-render the live message at most once per frame while tokens stream in.
-function scheduleRender() {
-  if (renderQueued) return;
-  renderQueued = true;
+// Update the streaming reply at most once per frame while tokens come in.
+function scheduleLive(conversation, reply) {
+  if (liveQueued || conversation.id !== store.currentId) return;
+  liveQueued = true;
   requestAnimationFrame(() => {
-    renderQueued = false;
-    renderMessages();
+    liveQueued = false;
+    if (inflight.get(store.currentId)?.message !== reply) return;
+    thread.update(reply, config.context_window);
+    updateGauge();
   });
 }
 
@@ -175,45 +187,32 @@ function scheduleRender() {
 function send(text) {
   const conversation = store.current;
   if (inflight.has(conversation.id)) return;
-  conversation.messages.push({ role: "user", content: text });
+  const last = path(conversation).at(-1);
+  const user = append(conversation, last?.id ?? ROOT, { role: "user", content: text }, uid());
   store.touch(conversation);
-  startTurn(conversation);
+  thread.following = true;
+  startTurn(conversation, user);
 }
 
-function regenerate() {
-  const conversation = store.current;
+// A turn answering the path up to `parent` (a user message): a new reply under it, or,
+// with `resumed`, the rest of that reply (cut at its length limit).
+function startTurn(conversation, parent, resumed = null) {
   if (inflight.has(conversation.id)) return;
-  while (conversation.messages.length && conversation.messages.at(-1).role === "assistant") {
-    conversation.messages.pop();
-  }
-  if (!conversation.messages.length) return;
-  startTurn(conversation);
-}
-
-function history(conversation) {
-  return conversation.messages
-    .filter((m) => m.content && (m.role === "user" || m.role === "assistant"))
-    .map((m) => ({ role: m.role, content: m.content }));
-}
-
-function startTurn(conversation) {
-  const messages = history(conversation);
-  // A reply in flight keeps its turn id and the last seq shown, saved with its text: after a
-  // reconnect or a reload, the page asks the server for the rest (see attach()).
-  const reply = { role: "assistant", content: "", partial: true, lastSeq: -1 };
-  conversation.messages.push(reply);
-  const turnId = uid();
-  const s = store.settings;
-  const frame = {
-    type: "chat",
-    id: turnId,
-    conversation_id: conversation.id,
-    messages,
-    params: { temperature: Number(s.temperature), top_p: Number(s.top_p), max_tokens: Number(s.max_tokens) },
-  };
-  if (s.system.trim()) frame.system = s.system.trim();
-  reply.turnId = turnId;
-  const turn = { turnId, message: reply };
+  const nodes = pathTo(conversation, resumed ?? parent).filter(
+    (m) => m.content && (m.role === "user" || m.role === "assistant"),
+  );
+  const messages = nodes.map((m) => ({ role: m.role, content: m.content }));
+  // A reply in flight keeps its turn id and the last seq shown, saved with its text: after
+  // a reconnect or a reload, the page asks the server for the rest (see attach()).
+  const reply = resumed ?? append(conversation, parent.id, { role: "assistant", content: "" }, uid());
+  Object.assign(reply, { partial: true, lastSeq: -1, turnId: uid(), liveTokens: 0, liveRate: null });
+  for (const key of ["error", "stats", "finish", "stopped", "seenFrom"]) delete reply[key];
+  reply.seen = nodes.map((m) => m.id); // to mark what the model no longer sees
+  const { params, system } = turnSettings(conversation.settings ?? {});
+  const frame = { type: "chat", id: reply.turnId, conversation_id: conversation.id, messages, params };
+  if (system) frame.system = system;
+  if (resumed) frame.continue = true;
+  const turn = { turnId: reply.turnId, message: reply };
   inflight.set(conversation.id, turn);
   const sent = connection.send(frame, (f) => onTurnFrame(conversation, turn, f), resumeFrame(conversation, reply));
   if (!sent) onTurnFrame(conversation, turn, { type: "error", message: "not connected: try again in a moment" });
@@ -238,30 +237,48 @@ function onTurnFrame(conversation, turn, frame) {
   if (frame.type === "start") {
     reply.prompt_tokens = frame.prompt_tokens;
     reply.cached_tokens = frame.cached_tokens;
-  } else if (frame.type === "token") {
-    if (frame.seq <= reply.lastSeq) return; // sent again after a resume: shown already
-    reply.lastSeq = frame.seq;
-    reply.content += frame.text;
-    saveSoon();
-  } else if (frame.type === "done" || frame.type === "error") {
-    reply.partial = false;
-    delete reply.turnId;
-    delete reply.lastSeq;
-    if (frame.type === "done") {
-      reply.stats = { ...frame.timings, prompt_tokens: frame.usage.prompt_tokens, cached_tokens: frame.usage.cached_tokens };
-      reply.stopped = frame.finish_reason === "cancelled";
-    } else if (frame.code === "unknown_id" || frame.code === "expired") {
-      reply.error = "interrupted"; // a resume found the turn gone (the server lost it)
-    } else {
-      reply.error = frame.message;
-    }
-    inflight.delete(conversation.id);
-    store.touch(conversation);
-    renderSidebar();
+    const dropped = frame.dropped_messages ?? 0;
+    if (dropped && reply.seen?.[dropped]) reply.seenFrom = reply.seen[dropped];
+    else delete reply.seenFrom;
     if (conversation.id === store.currentId) renderMessages();
     return;
   }
-  if (conversation.id === store.currentId) scheduleRender();
+  if (frame.type === "token") {
+    if (frame.seq <= reply.lastSeq) return; // sent again after a resume: shown already
+    reply.lastSeq = frame.seq;
+    reply.content += frame.text;
+    reply.liveTokens = frame.completion_tokens ?? (reply.liveTokens ?? 0) + 1;
+    const now = performance.now();
+    if (turn.firstAt === undefined) {
+      turn.firstAt = now;
+      turn.firstTokens = reply.liveTokens;
+    } else if (now - turn.firstAt > 250) {
+      reply.liveRate = ((reply.liveTokens - turn.firstTokens) * 1000) / (now - turn.firstAt);
+    }
+    saveSoon();
+    scheduleLive(conversation, reply);
+    return;
+  }
+  if (frame.type !== "done" && frame.type !== "error") return;
+  for (const key of ["partial", "turnId", "lastSeq", "liveRate", "seen"]) delete reply[key];
+  if (frame.type === "done") {
+    reply.stats = {
+      ...frame.timings,
+      prompt_tokens: frame.usage.prompt_tokens,
+      cached_tokens: frame.usage.cached_tokens,
+      completion_tokens: frame.usage.completion_tokens,
+    };
+    reply.finish = frame.finish_reason;
+    reply.stopped = frame.finish_reason === "cancelled";
+  } else if (frame.code === "unknown_id" || frame.code === "expired") {
+    reply.error = "interrupted"; // a resume found the turn gone (the server lost it)
+  } else {
+    reply.error = frame.message;
+  }
+  inflight.delete(conversation.id);
+  store.touch(conversation);
+  renderSidebar();
+  if (conversation.id === store.currentId) renderMessages();
 }
 
 let saveTimer = null;
@@ -295,30 +312,18 @@ function updateComposer() {
   $("send").disabled = !connection.isOpen;
 }
 
-function button(label, className, title, onClick) {
-  const b = document.createElement("button");
-  b.type = "button";
-  b.className = className;
-  b.textContent = label;
-  b.title = title;
-  b.addEventListener("click", onClick);
-  return b;
+function openSidebar() {
+  $("sidebar").classList.add("open");
+  $("backdrop").hidden = false;
+}
+
+function closeSidebar() {
+  $("sidebar").classList.remove("open");
+  $("backdrop").hidden = true;
 }
 
 function applyTheme() {
-  document.documentElement.dataset.theme = store.settings.theme;
-}
-
-function bindSettings() {
-  const fields = { "system-prompt": "system", temperature: "temperature", "top-p": "top_p", "max-tokens": "max_tokens" };
-  for (const [id, key] of Object.entries(fields)) {
-    const input = $(id);
-    input.value = store.settings[key];
-    input.addEventListener("change", () => {
-      store.settings[key] = input.type === "number" ? Number(input.value) : input.value;
-      store.save();
-    });
-  }
+  document.documentElement.dataset.theme = store.theme;
 }
 
 function renderAll() {
@@ -330,18 +335,18 @@ function init() {
   // A reply cut short by a reload is asked for again (the server keeps a turn for a while
   // after its socket drops); one that cannot be stays, marked as interrupted.
   for (const c of store.conversations) {
-    for (const m of c.messages) {
+    const last = path(c).at(-1);
+    for (const m of Object.values(c.nodes)) {
       if (!m.partial) continue;
-      if (m.turnId && m === c.messages.at(-1)) {
+      if (m.turnId && m === last) {
         attach(c, m);
       } else {
-        m.partial = false;
+        for (const key of ["partial", "turnId", "lastSeq"]) delete m[key];
         m.error = "interrupted";
       }
     }
   }
   applyTheme();
-  bindSettings();
   const input = $("input");
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
@@ -363,19 +368,32 @@ function init() {
   });
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", () => {
-    store.create();
+    store.openEmpty();
+    closeSidebar();
     renderAll();
     input.focus();
   });
+  $("search").addEventListener("input", renderSidebar);
+  $("export").addEventListener("click", exportConversations);
+  $("import").addEventListener("click", () => $("import-file").click());
+  $("import-file").addEventListener("change", (e) => {
+    const [file] = e.target.files;
+    if (file) importConversations(file);
+    e.target.value = "";
+  });
   $("toggle-theme").addEventListener("click", () => {
-    store.settings.theme = store.settings.theme === "dark" ? "light" : "dark";
+    store.theme = store.theme === "dark" ? "light" : "dark";
     store.save();
     applyTheme();
   });
   $("toggle-settings").addEventListener("click", () => {
     $("settings").hidden = !$("settings").hidden;
   });
-  $("toggle-sidebar").addEventListener("click", () => $("sidebar").classList.toggle("open"));
+  $("toggle-sidebar").addEventListener("click", () => ($("sidebar").classList.contains("open") ? closeSidebar() : openSidebar()));
+  $("backdrop").addEventListener("click", closeSidebar);
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape") closeSidebar();
+  });
   renderAll();
   input.focus();
   connection.start();

@@ -106,3 +106,86 @@ def test_a_kv_cache_larger_than_the_memory_is_refused_before_loading(monkeypatch
         main(["--kv-cache-size", "8GiB"])
     with pytest.raises(SystemExit, match=r"2 x 3\.0 GiB"):  # one pool per replica
         main(["--kv-cache-size", "3GiB", "--replicas", "2"])
+
+
+# -- the first start ----------------------------------------------------------------------
+
+
+def test_help_groups_every_flag_and_shows_its_default():
+    from app.__main__ import FLAGS, GROUPS
+
+    grouped = [flag for flags in GROUPS.values() for flag in flags]
+    assert sorted(grouped) == sorted(flag for flag, _ in FLAGS), "put each flag in a group"
+    parser = build_parser()
+    text = parser.format_help()
+    for title in GROUPS:
+        assert f"\n{title}:\n" in text
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert "(default: " in action.help, action.option_strings
+    assert "python -m app" in text
+
+
+def test_help_runs_as_a_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "app", "--help"], capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    assert "model:" in out.stdout and "(default: 8000)" in out.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_port_in_use_is_found_before_anything_loads():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "app", "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode != 0
+    assert f"port {port} on 127.0.0.1 is already in use" in out.stderr
+    assert "--port " in out.stderr.splitlines()[-1]  # a way out
+    assert "app.model" not in out.stderr and "Traceback" not in out.stderr  # nothing loaded
+
+
+def test_the_address_is_printed_once_the_page_answers():
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "--port", str(port), "--kv-cache-size", "64MiB",
+         "--kv-tier", "none"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "Parley is ready" in line:
+                break
+        assert lines and "Parley is ready" in lines[-1], "".join(lines)
+        assert f"open http://127.0.0.1:{port}/ in a browser" in lines[-1]
+        # What it was doing came first, and the page answers the moment it says so.
+        assert "loading SmolLM2-135M-Instruct" in lines[0]
+        assert any("engine ready" in line for line in lines)
+        assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -57,10 +57,13 @@ class ChatPrompt:
         messages: Sequence[Message],
         generated: Mapping[str, list[int]] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         """Token ids of `messages`, ready for the assistant's reply. `generated` maps a
         reply's text to the ids the model produced for it; `tools` (OpenAI's tool
-        definitions) go to a template that renders them (app.chat.tools)."""
+        definitions) go to a template that renders them (app.chat.tools). With
+        `continue_final`, the last message (the assistant's, cut at its length limit) is
+        left open for the reply to go on from its last token."""
         generated = generated or {}
         spliced: list[list[int]] = []
         items = []
@@ -72,7 +75,11 @@ class ChatPrompt:
             items.append({**m.to_dict(), "content": content})
         extra = {"tools": list(tools)} if tools else {}
         text = self.tokenizer.apply_chat_template(
-            items, tokenize=False, add_generation_prompt=True, **extra
+            items,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **extra,
         )
         ids: list[int] = []
         pos = 0

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.chat.prompt import Message
+from app.chat.window import Drop
 
 MAX_REPLIES_REMEMBERED = 256  # per conversation: reply text -> the ids the model produced
 
@@ -31,6 +32,7 @@ class Conversation:
     messages: list[Message] = field(default_factory=list)
     replies: dict[str, list[int]] = field(default_factory=dict)
     turn: str | None = None  # the token of the turn in flight, if any (unique per turn)
+    drop: Drop | None = None  # the oldest messages the model no longer sees (app.chat.window)
     last_active: float = field(default_factory=time.monotonic)
 
     @property

@@ -25,10 +25,11 @@ from starlette.templating import Jinja2Templates
 
 from app.config import ClusterConfig, EngineConfig
 from app.engine.protocol import EngineClient
-from app.server import openai_api
+from app.server import markdown, openai_api
 from app.server.chat_service import ChatConfig, ChatService
 from app.server.journal import Journal, JournalConfig
 from app.server.metrics import CONTENT_TYPE, Metrics, ResumeCollector
+from app.server.page import page_context
 from app.server.security import AUTH_COOKIE, CLIENT_COOKIE, Access, ParleyAuth, Principal
 from app.server.streams import Streams, StreamsConfig
 from app.server.turn_runner import TurnRunner
@@ -95,7 +96,7 @@ async def index(request: Request) -> Response:
     principal = request.user
     if not isinstance(principal, Principal):
         return _page(request, "login.html", {"error": None})
-    response = _page(request, "index.html", {"model_name": request.state.engine.info.name})
+    response = _page(request, "index.html", page_context(request.state.engine.info))
     if principal.new_client_cookie:  # this browser's lineage: it owns its conversations
         response.set_cookie(
             CLIENT_COOKIE, principal.new_client_cookie, httponly=True, samesite="strict"
@@ -181,6 +182,7 @@ def create_app(
                 "access": access,
                 "chat": chat,
                 "engine": eng,
+                "markdown": markdown.MarkdownRenderer(),
                 "metrics": metrics,
                 "openai": openai_api.OpenAIAPI(eng, chat.prompt, chat.cache_salt),
                 "templates": templates,
@@ -205,6 +207,7 @@ def create_app(
         Route("/ready", ready),
         Route("/metrics", metrics),
         *openai_api.routes(),
+        *markdown.routes(),
         WebSocketRoute("/ws", ws_endpoint),
         Mount("/static", StaticFiles(directory=str(asset_dir("static"))), name="static"),
     ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from app.chat.prompt import ChatPrompt, Message
 from app.chat.sessions import Conversation, ConversationStore
+from app.chat.window import HistoryTooLong, Window, fit, reply_room
 from app.engine.errors import ContextTooLong
 from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
@@ -43,6 +44,12 @@ class Turn:
     messages: list[Message]  # the history this turn answers
     principal: Principal
     token: str  # unique to this turn: only it can clear its conversation's busy mark
+    window: Window | None = None  # what the model sees of `messages` (set by prompt_ids)
+
+    @property
+    def dropped(self) -> int:
+        """Messages of the history the model does not see (its window is full)."""
+        return self.window.dropped if self.window else 0
 
 
 class ChatService:
@@ -114,22 +121,26 @@ class ChatService:
 
     async def prompt_ids(self, turn: Turn) -> list[int]:
         """The turn's prompt through the chat template, the conversation's own reply ids
-        spliced in; large histories off the event loop. Raises ContextTooLong."""
-        replies = turn.conversation.replies if turn.frame.cache else None
+        spliced in, its oldest turns dropped where the window is full (app.chat.window);
+        large histories off the event loop. Raises ContextTooLong."""
+        frame = turn.frame
+        replies = turn.conversation.replies if frame.cache else None
+        window = self.max_model_len
+        room = reply_room(frame.params.max_tokens, window) if frame.truncate else 1
+
+        def render(messages: list[Message]) -> list[int]:
+            return self.prompt.render(messages, replies, continue_final=frame.continue_final)
+
+        def build() -> Window:
+            remembered = turn.conversation.drop if frame.truncate else None
+            try:
+                return fit(turn.messages, render, window, room, frame.truncate, remembered)
+            except HistoryTooLong as exc:
+                raise ContextTooLong(str(exc), exc.num_tokens, exc.window) from None
+
         size = sum(len(m.content) for m in turn.messages)
-        if size > INLINE_RENDER_CHARS:
-            ids = await asyncio.to_thread(self.prompt.render, turn.messages, replies)
-        else:
-            ids = self.prompt.render(turn.messages, replies)
-        if len(ids) >= self.max_model_len:
-            raise ContextTooLong(
-                f"the conversation is {len(ids)} tokens long; the context window is "
-                f"{self.max_model_len} tokens, and the reply needs at least one: shorten it "
-                "or start anew",
-                len(ids),
-                self.max_model_len,
-            )
-        return ids
+        turn.window = await asyncio.to_thread(build) if size > INLINE_RENDER_CHARS else build()
+        return turn.window.prompt_ids
 
     def end_turn(self, turn: Turn, text: str | None, reply_ids: list[int] | None) -> None:
         """A turn is over. With its reply text, the conversation grows by it; the reply's
@@ -144,10 +155,20 @@ class ChatService:
             return
         if text is None:
             return
-        conv.messages = [*turn.messages, Message("assistant", text)]
+        ids = list(reply_ids or [])
+        history = turn.messages
+        if turn.frame.continue_final:  # the reply goes on from the last message
+            *history, cut = history
+            known = conv.replies.get(cut.content) if reply_ids is not None else None
+            text = cut.content + text
+            if known is None:
+                reply_ids = None
+            ids = list(known or []) + ids
+        conv.messages = [*history, Message("assistant", text)]
+        if turn.window is not None and turn.frame.truncate:
+            conv.drop = turn.window.drop
         if reply_ids is None or not turn.frame.cache:
             return
-        ids = list(reply_ids)
         if ids and ids[-1] in self.eos_token_ids:
             ids.pop()  # the template writes the end of turn itself
         if self.prompt.tokenizer.decode(ids, skip_special_tokens=True) == text:

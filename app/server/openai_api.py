@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from app.chat.prompt import ChatPrompt
 from app.chat.tools import supports_tools
+from app.chat.window import HistoryTooLong, Window, fit, reply_room
 from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
 from app.engine.request import SamplingParams
@@ -39,6 +40,8 @@ from app.server.security import Principal
 
 MAX_BODY_BYTES = 4 << 20
 INLINE_RENDER_CHARS = 8192  # longer chats are rendered and tokenized off the event loop
+# With "truncation": "auto", how many messages of the history the model did not see.
+TRUNCATED_HEADER = "x-parley-truncated-messages"
 
 
 # -- the API -------------------------------------------------------------------------------
@@ -73,12 +76,33 @@ class OpenAIAPI:
         params = request_params(body, self.max_tokens_limit, chat=True, tools=tools)
         messages = chat_messages(body, self.template_has_tools)
         definitions = tools.tools if tools else None
+        truncation = body.get("truncation")
+        if truncation not in (None, "disabled", "auto"):
+            raise bad('truncation must be "disabled" (the default) or "auto"', "truncation")
+
+        def build() -> Window:
+            # OpenAI's default: a history too long for the window is an error, which the
+            # engine raises; "auto" drops the oldest turns after the system prompt.
+            if truncation != "auto":
+                return Window(messages, self.prompt.render(messages, None, definitions), 0, None)
+            room = reply_room(params.max_tokens, window)
+            try:
+                return fit(messages, lambda ms: self.prompt.render(ms, None, definitions),
+                           window, room, truncate=True)  # fmt: skip
+            except HistoryTooLong as exc:
+                raise APIError(400, str(exc), param="messages",
+                               code="context_length_exceeded") from None  # fmt: skip
+
+        window = self.max_tokens_limit + 1
         if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:
-            prompt_ids = await asyncio.to_thread(self.prompt.render, messages, None, definitions)
+            kept = await asyncio.to_thread(build)
         else:
-            prompt_ids = self.prompt.render(messages, None, definitions)
+            kept = build()
         shape = Shape(chat=True, n=params.n, logprobs=params.logprobs is not None, tools=tools)
-        return await self._complete(request, body, prompt_ids, params, shape)
+        response = await self._complete(request, body, kept.prompt_ids, params, shape)
+        if kept.dropped:
+            response.headers[TRUNCATED_HEADER] = str(kept.dropped)
+        return response
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, COMPLETION_FIELDS)

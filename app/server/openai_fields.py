@@ -71,6 +71,11 @@ CHAT_FIELDS: dict[str, Field] = {
     "store": _ignored("nothing is stored: false only", lambda v: v is False),
     "safety_identifier": _ignored("no per-user accounting"),
     "prompt_cache_key": _honoured("a routing hint, as user (prefix caching is automatic)"),
+    "truncation": _honoured(
+        "extension (the Responses API's): auto drops the oldest turns after the system "
+        "prompt when the history outgrows the window, and says how many messages in the "
+        "x-parley-truncated-messages header; disabled (default): context_length_exceeded"
+    ),
     "service_tier": _ignored("one tier: auto or default only", lambda v: v in ("auto", "default")),
     "prediction": _ignored("a latency hint: the reply does not depend on it"),
     "modalities": _ignored("text is the only modality", lambda v: v == ["text"]),

@@ -1,14 +1,16 @@
 """The /ws protocol: JSON text frames, parsed and validated into dataclasses.
 
 Client -> server
-    chat    {id, conversation_id, messages | content, system?, params?}
+    chat    {id, conversation_id, messages | content, system?, params?, continue?,
+             truncation?}
     cancel  {id}
     resume  {id, conversation_id, after_seq}
     delete  {conversation_id}
     ping    {}
 Server -> client
-    start   {id, conversation_id, prompt_tokens, cached_tokens, tier_cached_tokens}
-    token   {id, seq, text}
+    start   {id, conversation_id, prompt_tokens, cached_tokens, tier_cached_tokens,
+             dropped_messages}
+    token   {id, seq, text, completion_tokens?}
     done    {id, finish_reason, usage, timings}
     error   {id | null, code, message, retryable}
     deleted {conversation_id}
@@ -16,8 +18,17 @@ Server -> client
 
 Every turn gets exactly one terminal frame (`done` or `error`) on each socket it streams
 to: the one that started it, or one that resumed it after its socket dropped (see
-app.server.streams). Errors a client can cause
-raise ProtocolError with a code and a message fit to show; nothing here touches the engine.
+app.server.streams).
+
+A history longer than the context window loses its oldest turns after the system prompt
+(app.chat.window): `dropped_messages` in `start` counts the messages of the history the
+model did not see. `truncation: "disabled"` asks for context_length_exceeded instead.
+`continue: true` goes on with the last message, the assistant's (a reply cut at its
+length limit): the reply's text is the rest of it. `completion_tokens` in a token frame
+counts the reply's tokens so far (absent for text replayed from the journal).
+
+Errors a client can cause raise ProtocolError with a code and a message fit to show;
+nothing here touches the engine.
 """
 
 from __future__ import annotations
@@ -73,6 +84,8 @@ class ChatFrame:
     system: str | None
     params: SamplingParams
     cache: bool = True  # False: no K/V kept for this conversation (for comparisons)
+    continue_final: bool = False  # go on with the last message, the assistant's
+    truncate: bool = True  # drop the oldest turns when the history outgrows the window
 
 
 @dataclass
@@ -167,8 +180,16 @@ def _chat(data: dict[str, Any], max_tokens_limit: int) -> ChatFrame:
         if len(messages) > MAX_MESSAGES:
             raise fail(f"at most {MAX_MESSAGES} messages")
         parsed = [_message(m, i, fail) for i, m in enumerate(messages)]
-        if parsed[-1].role != "user":
-            raise fail("the last message must be the user's")
+    continue_final = data.get("continue", False)
+    if not isinstance(continue_final, bool):
+        raise fail("'continue' must be true or false")
+    if continue_final and (parsed is None or parsed[-1].role != "assistant"):
+        raise fail("'continue' goes on with a reply: the last message must be the assistant's")
+    if parsed is not None and not continue_final and parsed[-1].role != "user":
+        raise fail("the last message must be the user's")
+    truncation = data.get("truncation", "auto")
+    if truncation not in ("auto", "disabled"):
+        raise fail('\'truncation\' must be "auto" or "disabled"')
     system = data.get("system")
     if system is not None and not isinstance(system, str):
         raise fail("'system' must be a string")
@@ -183,6 +204,8 @@ def _chat(data: dict[str, Any], max_tokens_limit: int) -> ChatFrame:
         system=system,
         params=_params(data.get("params"), max_tokens_limit, fail),
         cache=cache,
+        continue_final=continue_final,
+        truncate=truncation == "auto",
     )
 
 
@@ -248,6 +271,7 @@ def start_frame(
     prompt_tokens: int,
     cached_tokens: int,
     tier_cached_tokens: int = 0,
+    dropped_messages: int = 0,
 ) -> str:
     return _dump(
         type="start",
@@ -256,11 +280,14 @@ def start_frame(
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         tier_cached_tokens=tier_cached_tokens,
+        dropped_messages=dropped_messages,
     )
 
 
-def token_frame(id: str, seq: int, text: str) -> str:
-    return _dump(type="token", id=id, seq=seq, text=text)
+def token_frame(id: str, seq: int, text: str, completion_tokens: int | None = None) -> str:
+    if completion_tokens is None:
+        return _dump(type="token", id=id, seq=seq, text=text)
+    return _dump(type="token", id=id, seq=seq, text=text, completion_tokens=completion_tokens)
 
 
 def done_frame(id: str, finish_reason: str, usage: Usage, timings: Timings) -> str:

@@ -88,6 +88,7 @@ class TurnStream:
         self.owner = owner
         self.start: str | None = None
         self._texts: list[str] = []  # token texts from seq `first_seq` on
+        self._counts: list[int | None] = []  # the reply's tokens at each of them, if known
         self.first_seq = 0
         self.next_seq = 0
         self.finished = False
@@ -125,14 +126,16 @@ class TurnStream:
         self.start = frame
         self._wake()
 
-    def push(self, text: str) -> int:
-        """Add a token frame; returns its seq."""
+    def push(self, text: str, completion_tokens: int | None = None) -> int:
+        """Add a token frame (with the reply's tokens so far, where known); returns its seq."""
         seq = self.next_seq
         self._texts.append(text)
+        self._counts.append(completion_tokens)
         self.next_seq += 1
         overflow = len(self._texts) - self._streams.config.max_frames
         if overflow > 0:
             del self._texts[:overflow]
+            del self._counts[:overflow]
             self.first_seq += overflow
         self._wake()
         return seq
@@ -198,7 +201,8 @@ class TurnStream:
                         self._release(sink, gen)
                         return
                     text = self._texts[seq - self.first_seq]
-                    if not await sink.send(p.token_frame(self.id, seq, text)):
+                    count = self._counts[seq - self.first_seq]
+                    if not await sink.send(p.token_frame(self.id, seq, text, count)):
                         return
                     if self._pump_gen == gen:
                         self._cursor = seq + 1

@@ -262,7 +262,8 @@ class TurnRunner:
                 start = None
                 if stream.start is None:
                     start = (base or out.prompt_tokens, out.cached_tokens, out.tier_cached_tokens)
-                    stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start))
+                    stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start,
+                                                   dropped_messages=turn.dropped))  # fmt: skip
                 text = out.new_text
                 if skip:
                     cut = min(skip, len(text))
@@ -273,7 +274,7 @@ class TurnRunner:
                     await self.journal.progress(entry, stream.next_seq, text, unrecorded, start)
                     unrecorded = []
                 reply.append(text)
-                stream.push(text)
+                stream.push(text, kept + out.completion_tokens)
                 await stream.sent()
             terminal = self._terminal(turn, last, base, kept)
         except JournalUnavailable as exc:

@@ -41,9 +41,11 @@ def send(page, text):
 
 
 def wait_reply_done(page, count=1):
+    """Until `count` replies are done and every reply shows its rendered Markdown."""
     page.wait_for_function(
         "n => document.querySelectorAll('.message.assistant:not(.streaming)').length >= n"
-        " && !document.querySelector('.message.streaming')",
+        " && !document.querySelector('.message.streaming')"
+        " && !document.querySelector('.message.assistant .bubble:not(.rendered)')",
         arg=count,
     )
 
@@ -53,7 +55,7 @@ def test_streams_a_reply_with_safe_markdown_and_stats(page):
     wait_reply_done(page)
     bubble = page.locator(".message.assistant .bubble").last
     assert bubble.locator("strong").inner_text() == "bold"
-    assert bubble.locator("pre code").inner_text() == "print('hi')"
+    assert bubble.locator("pre code").inner_text().rstrip() == "print('hi')"
     assert bubble.locator("button.copy").count() == 1
     # Model text never becomes markup: the <img> arrives as text.
     assert bubble.locator("img").count() == 0
@@ -155,10 +157,11 @@ def test_settings_reach_the_server(page, fake, tokenizer):
     page.click("#toggle-settings")
     assert page.is_visible("#settings")
     page.fill("#system-prompt", "Answer like a pirate.")
-    page.fill("#temperature", "0.3")
-    page.fill("#top-p", "0.5")
-    page.fill("#max-tokens", "3")
-    for field in ("#system-prompt", "#temperature", "#top-p", "#max-tokens"):
+    page.fill("#setting-temperature", "0.3")
+    page.fill("#setting-top-p", "0.5")
+    page.fill("#setting-max-tokens", "3")
+    fields = ("#system-prompt", "#setting-temperature", "#setting-top-p", "#setting-max-tokens")
+    for field in fields:
         page.dispatch_event(field, "change")
     send(page, "Hello")
     wait_reply_done(page)

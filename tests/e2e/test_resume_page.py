@@ -23,9 +23,15 @@ def server(smollm):
 
 
 def stored_messages(page):
-    saved = json.loads(page.evaluate("localStorage.getItem('parley.v1')"))
+    """The messages shown of the current conversation, as the page stored them."""
+    saved = json.loads(page.evaluate("localStorage.getItem('parley.v2')"))
     current = next(c for c in saved["conversations"] if c["id"] == saved["currentId"])
-    return current["messages"]
+    nodes, out = current["nodes"], []
+    node = nodes["root"]
+    while node["children"]:
+        node = nodes[node["children"][node["active"]]]
+        out.append(node)
+    return out
 
 
 def wait_done(page, count):
@@ -54,10 +60,11 @@ def test_the_page_resumes_its_reply_after_going_offline(browser, server):
     page.goto(server.url)
     page.wait_for_selector("#connection[data-state=open]")
     page.click("#toggle-settings")
-    page.fill("#temperature", "0")
-    page.fill("#max-tokens", "100")
-    for field in ("#temperature", "#max-tokens"):
+    page.fill("#setting-temperature", "0")
+    page.fill("#setting-max-tokens", "100")
+    for field in ("#setting-temperature", "#setting-max-tokens"):
         page.dispatch_event(field, "change")
+    page.click("#settings-save-defaults")  # settings are per chat: the second one's too
 
     send(page, "Tell me a long story.")
     page.wait_for_function(

@@ -116,3 +116,34 @@ def test_parser_never_fails_other_than_with_a_protocol_error(value):
 def test_parser_takes_any_bytes_or_text(raw):
     with contextlib.suppress(protocol.ProtocolError):
         protocol.parse_frame(raw, max_tokens_limit=1000)
+
+
+def chat_frame(**fields):
+    return json.dumps({"type": "chat", "id": "t", "conversation_id": "c", **fields})
+
+
+def test_continue_and_truncation():
+    cut = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two"}]
+    frame = protocol.parse_frame(chat_frame(messages=cut, **{"continue": True}), 100)
+    assert frame.continue_final is True and frame.messages[-1].role == "assistant"
+    plain = protocol.parse_frame(chat_frame(content="hi"), 100)
+    assert plain.continue_final is False and plain.truncate is True  # /ws drops by default
+    off = protocol.parse_frame(chat_frame(content="hi", truncation="disabled"), 100)
+    assert off.truncate is False
+    for bad in (
+        chat_frame(messages=cut),  # a reply last, without continue
+        chat_frame(messages=cut[:1], **{"continue": True}),  # nothing to continue
+        chat_frame(content="hi", **{"continue": True}),
+        chat_frame(content="hi", **{"continue": "yes"}),
+        chat_frame(content="hi", truncation="sometimes"),
+    ):
+        with pytest.raises(protocol.ProtocolError) as err:
+            protocol.parse_frame(bad, 100)
+        assert err.value.code == protocol.BAD_REQUEST and err.value.id == "t"
+
+
+def test_start_and_token_frames_carry_the_new_counts():
+    start = json.loads(protocol.start_frame("t", "c", 10, 4, 0, dropped_messages=6))
+    assert start["dropped_messages"] == 6
+    assert json.loads(protocol.token_frame("t", 0, "a", 3))["completion_tokens"] == 3
+    assert "completion_tokens" not in json.loads(protocol.token_frame("t", 0, "a"))

@@ -36,7 +36,13 @@ def client(fake):
 
 
 def tokens(frames):
-    return [f for f in frames if f["type"] == "token"]
+    """The token frames, without their token counts (which text replayed from the journal
+    does not have)."""
+    return [
+        {k: v for k, v in f.items() if k != "completion_tokens"}
+        for f in frames
+        if f["type"] == "token"
+    ]
 
 
 def first_tokens(ws, n):

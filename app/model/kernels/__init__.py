@@ -9,19 +9,25 @@ in one (app/model/llama.py's FusedCpuOps says which replaces what).
 
 The source is compiled by torch.utils.cpp_extension (g++ and ninja) with `-march=native`,
 so the machine's vector width is the compiler's to use: AVX-512 here, AVX2 on an older
-CPU, from the same portable C++. The build is cached under the model cache, keyed by the
-source, torch's and Python's versions and this CPU's flags: a machine compiles it once
-(~10 s on 2 cores), later starts load it in milliseconds. Where there is no compiler, or
+CPU, from the same portable C++. The build is cached under the model cache, keyed by what
+it depends on (`build_inputs`): the source, the torch install (its version, build and
+folder, whose headers and libraries the build uses), Python's headers, the compiler (which
+one, and its version), the target and this CPU's flags. A build environment compiles it once
+(~10-20 s on 2 cores) and later starts load it in milliseconds; two virtual environments
+on one machine keep a build each instead of rebuilding each other's. Where there is no compiler, or
 the build fails, the model runs PyTorch's ops instead and the start-up log says why.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -40,11 +46,37 @@ CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 _loaded: str | None = None  # the build key loaded into this process, if any
 
 
+@functools.cache
+def compiler_identity(cxx: str) -> str:
+    """The C++ compiler torch's builder runs ($CXX, else c++): its path and version."""
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{cxx}: not found"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        version = (out.stdout.strip().splitlines() or ["?"])[0]
+    except (OSError, subprocess.SubprocessError):
+        version = "?"
+    return f"{os.path.realpath(path)} {version}"
+
+
+def build_inputs(march: str = "native") -> dict[str, str]:
+    """What a build depends on besides its source, by name."""
+    return {
+        "torch": f"{torch.__version__} {torch.version.git_version}",
+        "torch_dir": str(Path(torch.__file__).resolve().parent),
+        "python": f"{sys.version_info[:2]} {sysconfig.get_paths()['include']}",
+        "compiler": compiler_identity(os.environ.get("CXX", "c++")),
+        "target": f"{march} {' '.join(CFLAGS)}",
+        "cpu": " ".join(sorted(cpu.cpu_flags())),
+    }
+
+
 def build_key(code: bytes, march: str = "native") -> str:
-    """What a build depends on: the source, torch, Python, the target and this CPU."""
+    """The build's cache key: the source and everything in build_inputs."""
     h = hashlib.sha256(code)
-    h.update(f"{torch.__version__} {sys.version_info[:2]} {march} {CFLAGS}".encode())
-    h.update(" ".join(sorted(cpu.cpu_flags())).encode())
+    for name, value in sorted(build_inputs(march).items()):
+        h.update(f"\0{name}={value}".encode())
     return h.hexdigest()[:16]
 
 
@@ -75,6 +107,11 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
             tmp.replace(source)
         sources.append(str(source))
     built = max((p.stat().st_mtime for p in build_dir.glob("*.so")), default=None)
+    if built is None:
+        log.info(
+            "compiling Parley's CPU kernels for this CPU and build environment (once; "
+            "~10-20 s on 2 cores)..."
+        )
     start = time.perf_counter()
     try:
         cpp_extension.load(
@@ -93,7 +130,8 @@ def load(cache_dir: Path, march: str = "native") -> str | None:
     _loaded = key
     if built != max((p.stat().st_mtime for p in build_dir.glob("*.so")), default=None):
         log.info(
-            "compiled Parley's CPU kernels in %.1f s (once for this CPU; cached in %s)",
+            "compiled Parley's CPU kernels in %.1f s (once for this build environment; cached "
+            "in %s)",
             time.perf_counter() - start,
             build_dir,
         )
