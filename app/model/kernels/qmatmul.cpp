@@ -70,11 +70,14 @@ inline void group_sums(const uint16_t* x, int64_t K, float* out) {
 
 // ---------------------------------------------------------------------------------------
 // The microkernels: rows [0, MR) of x (bf16, lda apart; their group sums xs, KB apart)
-// against one tile; y gets 16 fp32 per row, ldy apart.
+// against NT consecutive tiles (tile_bytes and tile_scales apart); y gets 16 NT fp32 a row,
+// ldy apart. Several tiles at once for few rows: each output's sums are a chain of
+// dependent adds, and a decode's one row would otherwise wait on their latency.
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr const char* kPath = "AVX-512 BF16 (vdpbf16ps)";
-constexpr int kMR = 8;
+constexpr int kMR = 8;      // rows a kernel call at most
+constexpr int kChains = 8;  // MR x NT: independent accumulators a call keeps
 
 inline __m512i code_table() {  // word i: bf16 of (i % 16)
   alignas(64) uint16_t t[32];
@@ -82,40 +85,59 @@ inline __m512i code_table() {  // word i: bf16 of (i % 16)
   return _mm512_load_si512(t);
 }
 
-template <int MR>
-inline void tile_kernel(const uint8_t* codes, const c10::Half* d, const c10::Half* m,
-                        const uint16_t* x, int64_t lda, const float* xs, int64_t KB,
-                        float* y, int64_t ldy) {
+inline __m512bh pair_of(const uint16_t* p) {  // x[k], x[k + 1] in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+template <int MR, int NT>
+inline void tile_kernel(const uint8_t* codes, int64_t tile_bytes, const c10::Half* d,
+                        const c10::Half* m, int64_t tile_scales, const uint16_t* x,
+                        int64_t lda, const float* xs, int64_t KB, float* y, int64_t ldy) {
   const __m512i table = code_table();
   const __m512i low4 = _mm512_set1_epi16(0x0F);
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NT; ++n) acc[r][n] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
-    __m512 t[MR];
-    for (int r = 0; r < MR; ++r) t[r] = _mm512_setzero_ps();
-    const uint8_t* cb = codes + b * kChunksPerGroup * kChunk;
+    __m512 t[MR][NT];
+    for (int r = 0; r < MR; ++r)
+      for (int n = 0; n < NT; ++n) t[r][n] = _mm512_setzero_ps();
     for (int64_t c = 0; c < kChunksPerGroup; ++c) {
-      const __m512i raw =
-          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + c * kChunk)));
-      const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(raw, low4), table);
-      const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), table);
-      const int64_t k = b * kGroup + c * 4;
-      for (int r = 0; r < MR; ++r) {
-        int32_t p0, p1;  // x[k], x[k + 1] and x[k + 2], x[k + 3] as bf16 pairs
-        std::memcpy(&p0, x + r * lda + k, 4);
-        std::memcpy(&p1, x + r * lda + k + 2, 4);
-        t[r] = _mm512_dpbf16_ps(t[r], w0, (__m512bh)_mm512_set1_epi32(p0));
-        t[r] = _mm512_dpbf16_ps(t[r], w1, (__m512bh)_mm512_set1_epi32(p1));
+      const int64_t k = b * kGroup + c * 4, at = (b * kChunksPerGroup + c) * kChunk;
+      __m512bh p0[NT > 1 ? MR : 1], p1[NT > 1 ? MR : 1];
+      if constexpr (NT > 1)
+        for (int r = 0; r < MR; ++r) p0[r] = pair_of(x + r * lda + k), p1[r] = pair_of(x + r * lda + k + 2);
+      for (int n = 0; n < NT; ++n) {
+        const __m512i raw = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + n * tile_bytes + at)));
+        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(raw, low4), table);
+        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), table);
+        for (int r = 0; r < MR; ++r) {
+          if constexpr (NT > 1) {
+            t[r][n] = _mm512_dpbf16_ps(t[r][n], w0, p0[r]);
+            t[r][n] = _mm512_dpbf16_ps(t[r][n], w1, p1[r]);
+          } else {
+            t[r][n] = _mm512_dpbf16_ps(t[r][n], w0, pair_of(x + r * lda + k));
+            t[r][n] = _mm512_dpbf16_ps(t[r][n], w1, pair_of(x + r * lda + k + 2));
+          }
+        }
       }
     }
-    const __m512 db = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kTile)));
-    const __m512 mb = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * kTile)));
-    for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm512_fmadd_ps(db, t[r], acc[r]);
-      acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(xs[r * KB + b]), acc[r]);
+    for (int n = 0; n < NT; ++n) {
+      const __m512 db = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + n * tile_scales + b * kTile)));
+      const __m512 mb = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + n * tile_scales + b * kTile)));
+      for (int r = 0; r < MR; ++r) {
+        acc[r][n] = _mm512_fmadd_ps(db, t[r][n], acc[r][n]);
+        acc[r][n] = _mm512_fmadd_ps(mb, _mm512_set1_ps(xs[r * KB + b]), acc[r][n]);
+      }
     }
   }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NT; ++n) _mm512_storeu_ps(y + r * ldy + n * kTile, acc[r][n]);
 }
 
 #else
@@ -125,6 +147,7 @@ constexpr const char* kPath = "AVX2 (fp32 FMAs in vdpbf16ps's order)";
 constexpr const char* kPath = "portable C++ (fp32 FMAs in vdpbf16ps's order)";
 #endif
 constexpr int kMR = 4;
+constexpr int kChains = 4;
 
 // The codes of a chunk as floats: q[h][j][n] = q(n, 4c + 2h + j).
 inline void unpack_chunk(const uint8_t* chunk, float q[2][2][kTile]) {
@@ -174,51 +197,84 @@ inline V16 v16_fmav(V16 a, V16 b, V16 c) {
 inline void v16_store(float* p, V16 v) { std::memcpy(p, v.v, sizeof v.v); }
 #endif
 
-template <int MR>
-inline void tile_kernel(const uint8_t* codes, const c10::Half* d, const c10::Half* m,
-                        const uint16_t* x, int64_t lda, const float* xs, int64_t KB,
-                        float* y, int64_t ldy) {
-  V16 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = v16_zero();
+template <int MR, int NT>
+inline void tile_kernel(const uint8_t* codes, int64_t tile_bytes, const c10::Half* d,
+                        const c10::Half* m, int64_t tile_scales, const uint16_t* x,
+                        int64_t lda, const float* xs, int64_t KB, float* y, int64_t ldy) {
+  V16 acc[MR][NT];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NT; ++n) acc[r][n] = v16_zero();
   alignas(64) float q[2][2][kTile];
   alignas(64) float db[kTile], mb[kTile];
   for (int64_t b = 0; b < KB; ++b) {
-    V16 t[MR];
-    for (int r = 0; r < MR; ++r) t[r] = v16_zero();
+    V16 t[MR][NT];
+    for (int r = 0; r < MR; ++r)
+      for (int n = 0; n < NT; ++n) t[r][n] = v16_zero();
     for (int64_t c = 0; c < kChunksPerGroup; ++c) {
-      unpack_chunk(codes + (b * kChunksPerGroup + c) * kChunk, q);
       const int64_t k = b * kGroup + c * 4;
-      for (int h = 0; h < 2; ++h) {
-        const V16 w0 = v16_load(q[h][0]), w1 = v16_load(q[h][1]);
-        for (int r = 0; r < MR; ++r) {  // the pair's odd element first, as vdpbf16ps adds
-          const uint16_t* xr = x + r * lda + k + 2 * h;
-          t[r] = v16_fma(w1, bf16_to_float(xr[1]), t[r]);
-          t[r] = v16_fma(w0, bf16_to_float(xr[0]), t[r]);
+      for (int n = 0; n < NT; ++n) {
+        unpack_chunk(codes + n * tile_bytes + (b * kChunksPerGroup + c) * kChunk, q);
+        for (int h = 0; h < 2; ++h) {
+          const V16 w0 = v16_load(q[h][0]), w1 = v16_load(q[h][1]);
+          for (int r = 0; r < MR; ++r) {  // the pair's odd element first, as vdpbf16ps adds
+            const uint16_t* xr = x + r * lda + k + 2 * h;
+            t[r][n] = v16_fma(w1, bf16_to_float(xr[1]), t[r][n]);
+            t[r][n] = v16_fma(w0, bf16_to_float(xr[0]), t[r][n]);
+          }
         }
       }
     }
-    for (int i = 0; i < kTile; ++i) {
-      db[i] = static_cast<float>(d[b * kTile + i]);
-      mb[i] = static_cast<float>(m[b * kTile + i]);
-    }
-    const V16 dv = v16_load(db), mv = v16_load(mb);
-    for (int r = 0; r < MR; ++r) {
-      acc[r] = v16_fmav(dv, t[r], acc[r]);
-      acc[r] = v16_fma(mv, xs[r * KB + b], acc[r]);
+    for (int n = 0; n < NT; ++n) {
+      for (int i = 0; i < kTile; ++i) {
+        db[i] = static_cast<float>(d[n * tile_scales + b * kTile + i]);
+        mb[i] = static_cast<float>(m[n * tile_scales + b * kTile + i]);
+      }
+      const V16 dv = v16_load(db), mv = v16_load(mb);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][n] = v16_fmav(dv, t[r][n], acc[r][n]);
+        acc[r][n] = v16_fma(mv, xs[r * KB + b], acc[r][n]);
+      }
     }
   }
-  for (int r = 0; r < MR; ++r) v16_store(y + r * ldy, acc[r]);
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NT; ++n) v16_store(y + r * ldy + n * kTile, acc[r][n]);
 }
 #endif
 
+// The operands of one call, and the tiles and rows it covers.
+struct Operands {
+  const uint8_t* codes;
+  const c10::Half *d, *m;
+  const uint16_t* x;
+  const float* xs;
+  float* y;
+  int64_t K, KB, N, tile_bytes, tile_scales;
+};
+
+template <int MR, int NT>
+inline void call(const Operands& o, int64_t r, int64_t t) {
+  tile_kernel<MR, NT>(o.codes + t * o.tile_bytes, o.tile_bytes, o.d + t * o.tile_scales,
+                      o.m + t * o.tile_scales, o.tile_scales, o.x + r * o.K, o.K,
+                      o.xs + r * o.KB, o.KB, o.y + r * o.N + t * kTile, o.N);
+}
+
+// Rows [r, r + MR) against tiles [begin, end): NT tiles at a time, fewer at the end.
 template <int MR>
-void rows_tile(const uint8_t* codes, const c10::Half* d, const c10::Half* m, const uint16_t* x,
-               int64_t K, const float* xs, float* out, int64_t N, int64_t n0) {
-  const int64_t KB = K / kGroup;
-  alignas(64) float y[MR * kTile];
-  tile_kernel<MR>(codes, d, m, x, K, xs, KB, y, kTile);
-  const int64_t cols = std::min<int64_t>(kTile, N - n0);
-  for (int r = 0; r < MR; ++r) std::memcpy(out + r * N + n0, y + r * kTile, cols * sizeof(float));
+void row_chunk(const Operands& o, int64_t r, int64_t begin, int64_t end) {
+  constexpr int NT = std::max(1, kChains / MR);
+  int64_t t = begin;
+  for (; t + NT <= end; t += NT) call<MR, NT>(o, r, t);
+  for (; t < end; ++t) call<MR, 1>(o, r, t);
+}
+
+// Rows [r0, r1) against tiles [begin, end), in chunks of kMR rows, then 4, 2, 1.
+void rows_against(const Operands& o, int64_t r0, int64_t r1, int64_t begin, int64_t end) {
+  int64_t r = r0;
+  for (; r + kMR <= r1; r += kMR) row_chunk<kMR>(o, r, begin, end);
+  if constexpr (kMR > 4)
+    for (; r + 4 <= r1; r += 4) row_chunk<4>(o, r, begin, end);
+  for (; r + 2 <= r1; r += 2) row_chunk<2>(o, r, begin, end);
+  for (; r < r1; ++r) row_chunk<1>(o, r, begin, end);
 }
 
 std::string q4_path() { return kPath; }
@@ -254,21 +310,17 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     const c10::Half* dp = d.data_ptr<c10::Half>();
     const c10::Half* mp = m.data_ptr<c10::Half>();
     float* yp = y.data_ptr<float>();
-    const int64_t tile_bytes = (K / 4) * kChunk, tile_scales = KB * kTile;
-    // A tile for all rows is an item; a few tiles an item for a small M, so that a
-    // thread's share is worth waking it. The split never changes an element's bits.
+    const Operands o{cp, dp, mp, xp, xs.data(), yp, K, KB, N, (K / 4) * kChunk, KB * kTile};
+    // Threads split the tiles (a few an item for a small M, so that a thread's share is
+    // worth waking it); each takes rows in blocks of kRowBlock against a slab of its tiles,
+    // so that the slab's codes stay in cache while the block's rows pass over them. The
+    // split never changes an element's bits.
+    constexpr int64_t kRowBlock = 64, kSlab = 16;
     const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, M * KB));
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const uint8_t* ct = cp + t * tile_bytes;
-        const c10::Half* dt = dp + t * tile_scales;
-        const c10::Half* mt = mp + t * tile_scales;
-        int64_t r = 0;
-        for (; r + kMR <= M; r += kMR)
-          rows_tile<kMR>(ct, dt, mt, xp + r * K, K, xs.data() + r * KB, yp + r * N, N, t * kTile);
-        for (; r < M; ++r)
-          rows_tile<1>(ct, dt, mt, xp + r * K, K, xs.data() + r * KB, yp + r * N, N, t * kTile);
-      }
+      for (int64_t s = begin; s < end; s += kSlab)
+        for (int64_t r = 0; r < M; r += kRowBlock)
+          rows_against(o, r, std::min(M, r + kRowBlock), s, std::min(end, s + kSlab));
     });
   }
   const auto want = out_dtype.value_or(x.scalar_type());
