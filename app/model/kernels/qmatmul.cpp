@@ -91,10 +91,18 @@ inline __m512bh pair_of(const uint16_t* p) {  // x[k], x[k + 1] in every lane
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-template <int MR, int NT>
+// 16 sums to y as float, or rounded to bf16 (to nearest even, as c10::BFloat16 rounds).
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+inline void store16(c10::BFloat16* y, __m512 v) {
+  alignas(64) float f[kTile];
+  _mm512_store_ps(f, v);
+  for (int i = 0; i < kTile; ++i) y[i] = c10::BFloat16(f[i]);
+}
+
+template <int MR, int NT, typename Out>
 inline void tile_kernel(const uint8_t* codes, int64_t tile_bytes, const c10::Half* d,
                         const c10::Half* m, int64_t tile_scales, const uint16_t* x,
-                        int64_t lda, const float* xs, int64_t KB, float* y, int64_t ldy) {
+                        int64_t lda, const float* xs, int64_t KB, Out* y, int64_t ldy) {
   const __m512i table = code_table();
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   __m512 acc[MR][NT];
@@ -137,7 +145,7 @@ inline void tile_kernel(const uint8_t* codes, int64_t tile_bytes, const c10::Hal
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NT; ++n) _mm512_storeu_ps(y + r * ldy + n * kTile, acc[r][n]);
+    for (int n = 0; n < NT; ++n) store16(y + r * ldy + n * kTile, acc[r][n]);
 }
 
 #else
@@ -176,6 +184,11 @@ inline void v16_store(float* p, V16 v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
 }
+inline void v16_store(c10::BFloat16* p, V16 v) {
+  alignas(32) float f[kTile];
+  v16_store(f, v);
+  for (int i = 0; i < kTile; ++i) p[i] = c10::BFloat16(f[i]);
+}
 #else
 struct V16 {
   float v[kTile];
@@ -195,12 +208,15 @@ inline V16 v16_fmav(V16 a, V16 b, V16 c) {
   return c;
 }
 inline void v16_store(float* p, V16 v) { std::memcpy(p, v.v, sizeof v.v); }
+inline void v16_store(c10::BFloat16* p, V16 v) {
+  for (int i = 0; i < kTile; ++i) p[i] = c10::BFloat16(v.v[i]);
+}
 #endif
 
-template <int MR, int NT>
+template <int MR, int NT, typename Out>
 inline void tile_kernel(const uint8_t* codes, int64_t tile_bytes, const c10::Half* d,
                         const c10::Half* m, int64_t tile_scales, const uint16_t* x,
-                        int64_t lda, const float* xs, int64_t KB, float* y, int64_t ldy) {
+                        int64_t lda, const float* xs, int64_t KB, Out* y, int64_t ldy) {
   V16 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NT; ++n) acc[r][n] = v16_zero();
@@ -242,25 +258,26 @@ inline void tile_kernel(const uint8_t* codes, int64_t tile_bytes, const c10::Hal
 #endif
 
 // The operands of one call, and the tiles and rows it covers.
+template <typename Out>
 struct Operands {
   const uint8_t* codes;
   const c10::Half *d, *m;
   const uint16_t* x;
   const float* xs;
-  float* y;
+  Out* y;
   int64_t K, KB, N, tile_bytes, tile_scales;
 };
 
-template <int MR, int NT>
-inline void call(const Operands& o, int64_t r, int64_t t) {
+template <int MR, int NT, typename Out>
+inline void call(const Operands<Out>& o, int64_t r, int64_t t) {
   tile_kernel<MR, NT>(o.codes + t * o.tile_bytes, o.tile_bytes, o.d + t * o.tile_scales,
                       o.m + t * o.tile_scales, o.tile_scales, o.x + r * o.K, o.K,
                       o.xs + r * o.KB, o.KB, o.y + r * o.N + t * kTile, o.N);
 }
 
 // Rows [r, r + MR) against tiles [begin, end): NT tiles at a time, fewer at the end.
-template <int MR>
-void row_chunk(const Operands& o, int64_t r, int64_t begin, int64_t end) {
+template <int MR, typename Out>
+void row_chunk(const Operands<Out>& o, int64_t r, int64_t begin, int64_t end) {
   constexpr int NT = std::max(1, kChains / MR);
   int64_t t = begin;
   for (; t + NT <= end; t += NT) call<MR, NT>(o, r, t);
@@ -268,13 +285,29 @@ void row_chunk(const Operands& o, int64_t r, int64_t begin, int64_t end) {
 }
 
 // Rows [r0, r1) against tiles [begin, end), in chunks of kMR rows, then 4, 2, 1.
-void rows_against(const Operands& o, int64_t r0, int64_t r1, int64_t begin, int64_t end) {
+template <typename Out>
+void rows_against(const Operands<Out>& o, int64_t r0, int64_t r1, int64_t begin, int64_t end) {
   int64_t r = r0;
   for (; r + kMR <= r1; r += kMR) row_chunk<kMR>(o, r, begin, end);
   if constexpr (kMR > 4)
     for (; r + 4 <= r1; r += 4) row_chunk<4>(o, r, begin, end);
   for (; r + 2 <= r1; r += 2) row_chunk<2>(o, r, begin, end);
   for (; r < r1; ++r) row_chunk<1>(o, r, begin, end);
+}
+
+template <typename Out>
+void run(const Operands<Out>& o, int64_t M, int64_t tiles) {
+  // Threads split the tiles (a few an item for a small M, so that a thread's share is
+  // worth waking it); each takes rows in blocks of kRowBlock against a slab of its tiles,
+  // so that the slab's codes stay in cache while the block's rows pass over them. The
+  // split never changes an element's bits.
+  constexpr int64_t kRowBlock = 64, kSlab = 16;
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, M * o.KB));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; s += kSlab)
+      for (int64_t r = 0; r < M; r += kRowBlock)
+        rows_against(o, r, std::min(M, r + kRowBlock), s, std::min(end, s + kSlab));
+  });
 }
 
 std::string q4_path() { return kPath; }
@@ -301,30 +334,24 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     TORCH_CHECK(s->scalar_type() == at::kHalf && s->is_contiguous() && s->sizes() == d.sizes(),
                 "q4_matmul: scales must be fp16 (tiles, K / 32, 16)");
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // fp32 activations round here
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M > 0 && N > 0) {
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>());
-    std::vector<float> xs(M * KB);
-    for (int64_t r = 0; r < M; ++r) group_sums(xp + r * K, K, xs.data() + r * KB);
-    const uint8_t* cp = codes.data_ptr<uint8_t>();
-    const c10::Half* dp = d.data_ptr<c10::Half>();
-    const c10::Half* mp = m.data_ptr<c10::Half>();
-    float* yp = y.data_ptr<float>();
-    const Operands o{cp, dp, mp, xp, xs.data(), yp, K, KB, N, (K / 4) * kChunk, KB * kTile};
-    // Threads split the tiles (a few an item for a small M, so that a thread's share is
-    // worth waking it); each takes rows in blocks of kRowBlock against a slab of its tiles,
-    // so that the slab's codes stay in cache while the block's rows pass over them. The
-    // split never changes an element's bits.
-    constexpr int64_t kRowBlock = 64, kSlab = 16;
-    const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, M * KB));
-    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t s = begin; s < end; s += kSlab)
-        for (int64_t r = 0; r < M; r += kRowBlock)
-          rows_against(o, r, std::min(M, r + kRowBlock), s, std::min(end, s + kSlab));
-    });
-  }
   const auto want = out_dtype.value_or(x.scalar_type());
-  return want == at::kFloat ? y : y.to(want);
+  TORCH_CHECK(want == at::kFloat || want == at::kBFloat16, "q4_matmul: out in fp32 or bf16");
+  auto y = at::empty({M, N}, x.options().dtype(want));
+  if (M == 0 || N == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>());
+  std::vector<float> xs(M * KB);
+  for (int64_t r = 0; r < M; ++r) group_sums(xp + r * K, K, xs.data() + r * KB);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const c10::Half* dp = d.data_ptr<c10::Half>();
+  const c10::Half* mp = m.data_ptr<c10::Half>();
+  const int64_t tile_bytes = (K / 4) * kChunk;
+  if (want == at::kFloat)
+    run(Operands<float>{cp, dp, mp, xp, xs.data(), y.data_ptr<float>(), K, KB, N, tile_bytes,
+                        KB * kTile}, M, tiles);
+  else
+    run(Operands<c10::BFloat16>{cp, dp, mp, xp, xs.data(), y.data_ptr<c10::BFloat16>(), K, KB,
+                                N, tile_bytes, KB * kTile}, M, tiles);
+  return y;
 }
 
 }  // namespace parley_kernels
