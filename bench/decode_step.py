@@ -8,6 +8,13 @@ without a profiler; then torch.profiler attributes the weight matmuls' time (the
 kernel, oneDNN's packed linears, int8 or plain GEMMs) per step. Everything else (attention
 and its K/V gather, norms, rotary, sampling, Python) is the difference: issue 12 asks for
 it to be <= 4 ms.
+
+Then the memory bound: the bytes a decode step must read (every weight once, LM head
+included, and the context's K/V), the machine's read bandwidth measured here with the
+same threads (a sum over a buffer far larger than the caches), and the tok/s they allow:
+the step's speed as a fraction of it.
+
+    python bench/decode_step.py --model bench/results/random-1b.Q4_1.gguf  # the 1B shape
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from app.engine.request import SamplingParams
 from app.llm import LLM
 
 MATMULS = (
+    "parley::q4_matmul",
+    "parley::block_matmul",
+    "parley::decode_layers",  # a whole int4 decode step's layers: mostly its matmuls
     "aten::_weight_int4pack_mm_for_cpu",
     "mkldnn::_linear_pointwise",
     "quantized::linear_dynamic",
@@ -46,12 +56,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-kernels", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model = ModelConfig(
-        quantization=args.quantization, dtype=args.dtype, cpu_kernels=args.cpu_kernels
-    )
+        model=args.model, quantization=args.quantization, dtype=args.dtype,
+        cpu_kernels=args.cpu_kernels,
+    )  # fmt: skip
     llm = LLM(config=EngineConfig(model=model, cache=CacheConfig(512 << 20)))
     engine = llm.engine
     words = " ".join(["lighthouse"] * max(args.context - 20, 1))
@@ -81,6 +93,27 @@ def main() -> None:
     )
     print(f"  weight matmuls   {matmul * 1000:6.2f} ms (profiled)")
     print(f"  everything else  {(step - matmul) * 1000:6.2f} ms (target <= 4 ms)")
+    kv_row = engine.kv_cache.bytes_per_block // engine.kv_cache.block_size  # all layers' K, V
+    step_bytes = engine.model_bytes + len(ids) * kv_row
+    bandwidth = read_bandwidth()
+    bound = bandwidth / step_bytes
+    print(
+        f"  bytes a step     {step_bytes / 1e6:6.1f} MB (weights {engine.model_bytes / 1e6:.1f} MB)"
+    )
+    print(f"  read bandwidth   {bandwidth / 1e9:6.1f} GB/s ({torch.get_num_threads()} threads)")
+    print(f"  memory bound     {bound:6.1f} tok/s; this step reaches {1 / step / bound:.2f}x of it")
+
+
+def read_bandwidth(size: int = 512 << 20, repeats: int = 8) -> float:
+    """Bytes a second that summing a buffer far larger than the caches reads."""
+    buf = torch.ones(size // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return size / best
 
 
 if __name__ == "__main__":
