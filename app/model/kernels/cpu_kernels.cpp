@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -97,6 +98,46 @@ inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
   }
 #endif
   for (; d < n; ++d) dst[d] = widen(src[d]);
+}
+
+// Attention's q and k rows as its dot products read them. A bf16 row whose size is a
+// multiple of 32 is widened with each 32 dims' odd ones first, then the even ones: lane l of
+// the 16-lane sums (lane_sum, dot_lanes, reduce16) then adds, for every 32 dims,
+// q[2l + 1] k[2l + 1] and then q[2l] k[2l], which is vdpbf16ps's order, and a product of
+// two bf16 values is exact, so there a multiply then an add is its fused add. So the fp32
+// loops here and vdpbf16ps on the rows as stored (prefill_span, with AVX-512 BF16) give
+// the same bits. Other rows are widened in order.
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+
+template <typename T>
+inline bool pairs_layout(int64_t D) {
+  return kPairs<T> && D % 32 == 0;
+}
+
+template <typename T>
+inline void widen_qk(const T* src, float* dst, int64_t D) {
+  if (!pairs_layout<T>(D)) {
+    widen_row(src, dst, D);
+    return;
+  }
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int64_t c = 0;
+#ifdef __AVX512F__
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (; c < D; c += 32) {  // dword l holds dims 2l (low half) and 2l + 1 (high half)
+    const __m512i pairs = _mm512_loadu_si512(s + c);
+    _mm512_storeu_ps(dst + c, _mm512_castsi512_ps(_mm512_and_si512(pairs, high)));
+    _mm512_storeu_ps(dst + c + 16, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
+  }
+#endif
+  for (; c < D; c += 32)
+    for (int64_t l = 0; l < 16; ++l) {
+      uint32_t odd = static_cast<uint32_t>(s[c + 2 * l + 1]) << 16;
+      uint32_t even = static_cast<uint32_t>(s[c + 2 * l]) << 16;
+      std::memcpy(dst + c + l, &odd, 4);
+      std::memcpy(dst + c + 16 + l, &even, 4);
+    }
 }
 
 // exp(x) for x <= 0 (softmax arguments), written so that loops over it vectorize:
@@ -322,10 +363,10 @@ constexpr int64_t kMaxHeadDim = 256;
 // kD: the head size when known at compile time (the common 64 and 128, whose loops then
 // vectorize whole), 0 for any other.
 template <typename T, int64_t kD>
-void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* v_cache,
+void decode_span(const float* q /* G x D, widen_qk */, const T* k_cache, const T* v_cache,
                  const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t h,
-                 int64_t first, int64_t last, int64_t G, int64_t head_dim, float* scores,
-                 float* max_out, float* sum_out, float* acc /* G x D */) {
+                 int64_t first, int64_t last, int64_t G, int64_t head_dim, float scale,
+                 float* scores, float* max_out, float* sum_out, float* acc /* G x D */) {
   const int64_t D = kD ? kD : head_dim;
   const int64_t n = last - first;
   float row[kMaxHeadDim];
@@ -346,7 +387,7 @@ void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* 
     }
   };
   for_rows(k_cache, [&](int64_t j, const T* p) {
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(p[d]);
+    widen_qk(p, row, D);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
 #ifdef __AVX512F__
@@ -360,6 +401,7 @@ void decode_span(const float* q /* G x D, scaled */, const T* k_cache, const T* 
   });
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
+    for (int64_t j = 0; j < n; ++j) sg[j] *= scale;  // after the sum, as prefill_span scales
     const float m = max_of(sg, n);
     exp_shifted(sg, n, m);
     max_out[g] = m;
@@ -426,14 +468,15 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
       while (it >= first_item[b + 1]) ++b;
       const int64_t span = (it - first_item[b]) / kv_heads, h = (it - first_item[b]) % kv_heads;
       const T* qb = q + (b * H + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = widen(qb[i]) * scale;
+      for (int64_t g = 0; g < G; ++g) widen_qk(qb + g * D, qf.data() + g * D, D);
       const int64_t first = span * kSpan, last = std::min(lens[b], first + kSpan);
       float* st = stats.data() + it * 2 * G;
       const auto span_fn = D == 64    ? decode_span<T, 64>
                            : D == 128 ? decode_span<T, 128>
                                       : decode_span<T, 0>;
       span_fn(qf.data(), k_cache, v_cache, tables + b * max_blocks, block_size, kv_heads, h,
-              first, last, G, D, scores.data(), st, st + G, partial.data() + it * G * D);
+              first, last, G, D, scale, scores.data(), st, st + G,
+              partial.data() + it * G * D);
     }
   });
   // Combine each (sequence, K/V head)'s spans in order.
@@ -587,22 +630,72 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   const int64_t n = keys(r1 - 1);
   // The span's K and V rows of head h, widened to fp32 once for all the tile's vectors,
   // then 16 rows of zeros (a block of dot products may read past a row's last key).
+#if defined(__AVX512BF16__)
+  // With AVX-512 BF16 the dot products take the K rows as stored (vdpbf16ps): they are
+  // copied into kf's memory as bf16 instead of widened.
+  constexpr bool kDot = kPairs<T> && kD > 0 && kD % 32 == 0;
+#else
+  constexpr bool kDot = false;
+#endif
+  uint16_t* kb = reinterpret_cast<uint16_t*>(kf);
   for (int64_t pos = first; pos < first + n; ++pos) {
     const int64_t at = ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
-    widen_row(k_cache + at, kf + (pos - first) * D, D);
+    if constexpr (kDot)
+      std::memcpy(kb + (pos - first) * D, k_cache + at, D * sizeof(T));
+    else
+      widen_qk(k_cache + at, kf + (pos - first) * D, D);
     widen_row(v_cache + at, vf + (pos - first) * D, D);
   }
-  std::fill_n(kf + n * D, 16 * D, 0.f);
+  if constexpr (kDot)
+    std::fill_n(kb + n * D, 16 * D, uint16_t{0});
+  else
+    std::fill_n(kf + n * D, 16 * D, 0.f);
   std::fill_n(vf + n * D, 16 * D, 0.f);
   const int64_t rows = r1 - r0, qvecs = rows * G;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = q + ((r0 + r) * H + h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) qf[(r * G + g) * D + d] = widen(src[d]) * scale;
-    }
+  if constexpr (!kDot)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < G; ++g)
+        widen_qk(q + ((r0 + r) * H + h * G + g) * D, qf + (r * G + g) * D, D);
   // Scores, for each query vector its row's keys (rounded up to 8). With AVX-512, two query
   // vectors at a time over a block of 8 keys (each K row loaded once for both), their 16
   // dot products reduced together; the tile's K block stays in L1 for all its vectors.
+#if defined(__AVX512BF16__)
+  if constexpr (kDot) {
+    // As below, with vdpbf16ps on the rows as stored: 32 products an instruction, in the
+    // order widen_qk's layout gives the fp32 loops.
+    constexpr int64_t kP = kD / 32;
+    const auto q_of = [&](int64_t v) {
+      return reinterpret_cast<const uint16_t*>(q + ((r0 + v / G) * H + h * G + v % G) * kD);
+    };
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      for (int64_t v = 0; v < qvecs; v += 2) {
+        const int64_t w = std::min(v + 1, qvecs - 1);
+        if (j0 >= keys(r0 + w / G)) continue;
+        __m512bh qa[kP], qb[kP];
+        for (int64_t c = 0; c < kP; ++c) {
+          qa[c] = (__m512bh)_mm512_loadu_si512(q_of(v) + 32 * c);
+          qb[c] = (__m512bh)_mm512_loadu_si512(q_of(w) + 32 * c);
+        }
+        __m512 lanes[16];
+        for (int i = 0; i < 8; ++i) {
+          const uint16_t* kr = kb + (j0 + i) * kD;
+          __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kP; ++c) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+            acc_a = _mm512_dpbf16_ps(acc_a, qa[c], k);
+            acc_b = _mm512_dpbf16_ps(acc_b, qb[c], k);
+          }
+          lanes[kReduceSlot[i]] = acc_a;
+          lanes[kReduceSlot[8 + i]] = acc_b;
+        }
+        const __m512 out = reduce16(lanes);
+        _mm256_storeu_ps(scores + v * kSpan + j0, _mm512_castps512_ps256(out));
+        _mm256_storeu_ps(scores + w * kSpan + j0,
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)));
+      }
+    }
+  } else
+#endif
 #ifdef __AVX512F__
   if constexpr (kD > 0 && kD % kLanes == 0) {
     constexpr int64_t kC = kD / kLanes;
@@ -675,6 +768,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
       continue;
     }
     float* sv = scores + v * kSpan;
+    for (int64_t j = 0; j < nv; ++j) sv[j] *= scale;  // after the sum, as decode_span scales
     const float m = max_of(sv, nv);
     exp_shifted(sv, nv, m);
     st[g] = m;
