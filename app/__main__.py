@@ -146,7 +146,20 @@ FLAGS: list[tuple[str, dict]] = [
     ),
     (
         "--allowed-origins",
-        dict(default="", help="comma-separated extra origins allowed to open /ws"),
+        dict(
+            default="",
+            help="comma-separated origins, besides the page's own, whose pages "
+            "may use this server (its /ws and /v1 from a browser)",
+        ),
+    ),
+    (
+        "--allowed-hosts",
+        dict(
+            default="",
+            help="comma-separated Host names served besides the loopback names "
+            "and --host (.example.org: it and its subdomains; *: any). Needed behind a "
+            "proxy or under a public name; refuses DNS rebinding",
+        ),
     ),
     (
         "--otlp-endpoint",
@@ -206,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
 def flag_true(value: bool | str) -> bool:
     """A boolean flag's value; from the environment it arrives as text (1/true/yes/on)."""
     return value if isinstance(value, bool) else value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def comma_list(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
 def tier_store(args: argparse.Namespace) -> str:
@@ -280,7 +297,8 @@ def server_config(args: argparse.Namespace):
         otlp_endpoint=args.otlp_endpoint,
         api_key=args.api_key or None,
         api_keys=keys,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        allowed_origins=comma_list(args.allowed_origins),
+        allowed_hosts=comma_list(args.allowed_hosts),
         secret=persistent_secret(ModelConfig().cache_dir),
         cluster=ClusterConfig(
             replicas=args.replicas,
@@ -298,7 +316,10 @@ def serve(args: argparse.Namespace) -> None:
     from app.server.app import create_app
     from app.server.protocol import MAX_FRAME_BYTES
 
-    app = create_app(engine_config(args), server_config(args))
+    config = server_config(args)
+    app = create_app(engine_config(args), config)
+    for line in config.describe():
+        print(f"Parley: {line}", file=sys.stderr)
     print(f"Parley: open http://{args.host}:{args.port}/ in a browser", file=sys.stderr)
     uvicorn.run(
         app,

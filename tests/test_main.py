@@ -106,3 +106,17 @@ def test_a_kv_cache_larger_than_the_memory_is_refused_before_loading(monkeypatch
         main(["--kv-cache-size", "8GiB"])
     with pytest.raises(SystemExit, match=r"2 x 3\.0 GiB"):  # one pool per replica
         main(["--kv-cache-size", "3GiB", "--replicas", "2"])
+
+
+def test_allowed_hosts_and_origins_flags(monkeypatch):
+    from app.__main__ import server_config
+
+    config = server_config(build_parser().parse_args([]))
+    assert config.allowed_hosts == () and config.host_policy().host_ok("localhost:8000")
+    assert not config.host_policy().host_ok("evil.example:8000")
+    monkeypatch.setenv("PARLEY_ALLOWED_HOSTS", "chat.example.org, .corp.example")
+    args = build_parser().parse_args(["--allowed-origins", "https://chat.example.org"])
+    config = server_config(args)
+    assert config.allowed_hosts == ("chat.example.org", ".corp.example")
+    assert config.allowed_origins == ("https://chat.example.org",)
+    assert "chat.example.org" in config.describe()[0]

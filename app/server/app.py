@@ -27,6 +27,7 @@ from app.config import ClusterConfig, EngineConfig
 from app.engine.protocol import EngineClient
 from app.server import openai_api
 from app.server.chat_service import ChatConfig, ChatService
+from app.server.hosts import HostGuard, HostPolicy
 from app.server.journal import Journal, JournalConfig
 from app.server.metrics import CONTENT_TYPE, Metrics, ResumeCollector
 from app.server.security import AUTH_COOKIE, CLIENT_COOKIE, Access, ParleyAuth, Principal
@@ -65,16 +66,24 @@ class ServerConfig:
     otlp_endpoint: str | None = None  # OpenTelemetry traces go here when set
     api_key: str | None = None  # one tenant's key, required on /v1 and /ws
     api_keys: Mapping[str, bytes] | None = None  # several: tenant -> SHA-256 of its key
-    allowed_origins: tuple[str, ...] = ()  # besides the page's own origin, for /ws
+    allowed_hosts: tuple[str, ...] = ()  # besides loopback and `host`; "*": any (hosts.py)
+    allowed_origins: tuple[str, ...] = ()  # besides the page's own origin (hosts.py)
     secret: bytes | None = None  # signs cookies; None: a new one per process
     streams: StreamsConfig = field(default_factory=StreamsConfig)  # resumable turns
     journal: JournalConfig | None = None  # durable turns on Redis Streams
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas > 1: on Ray
 
+    def host_policy(self) -> HostPolicy:
+        return HostPolicy.build(self.host, self.allowed_hosts, self.allowed_origins)
+
+    def describe(self) -> list[str]:
+        """What the person starting the server should know: who can reach it."""
+        return [f"answers to the Host names {self.host_policy().describe()}"]
+
     def access(self) -> Access:
         if self.api_key and self.api_keys:
             raise ValueError("give one API key or a keys file, not both")
-        kw: dict[str, Any] = {"allowed_origins": self.allowed_origins, "secret": self.secret}
+        kw: dict[str, Any] = {"secret": self.secret}
         if self.api_keys:
             return Access(self.api_keys, **kw)
         return Access.single_key(self.api_key, **kw)
@@ -208,7 +217,10 @@ def create_app(
         WebSocketRoute("/ws", ws_endpoint),
         Mount("/static", StaticFiles(directory=str(asset_dir("static"))), name="static"),
     ]
-    middleware = [Middleware(AuthenticationMiddleware, backend=ParleyAuth(access))]
+    middleware = [
+        Middleware(HostGuard, policy=server_config.host_policy()),  # first: DNS rebinding
+        Middleware(AuthenticationMiddleware, backend=ParleyAuth(access)),
+    ]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 

@@ -16,9 +16,8 @@ A conversation is bound to the principal's `owner` (see chat_service): nobody el
 continue it from the server's memory, delete it or resume its stream. Tenants are
 separate namespaces altogether.
 
-Every /ws handshake from a browser carries an Origin. One that is neither the page's own
-origin nor in the allow-list is refused: another site's page must not talk to Parley with
-its visitor's cookies (cross-site WebSocket hijacking).
+Which hosts and origins may send requests at all (DNS rebinding, cross-site requests) is
+decided before this, by app.server.hosts.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from starlette.authentication import AuthCredentials, AuthenticationBackend, BaseUser
 from starlette.requests import HTTPConnection
@@ -110,16 +108,12 @@ def parse_keys_file(path: Path) -> dict[str, bytes]:
 
 
 class Access:
-    """One server's keys, cookie secret and allowed origins."""
+    """One server's keys and cookie secret."""
 
     def __init__(
-        self,
-        keys: Mapping[str, bytes] | None = None,
-        allowed_origins: tuple[str, ...] = (),
-        secret: bytes | None = None,
+        self, keys: Mapping[str, bytes] | None = None, secret: bytes | None = None
     ) -> None:
         self._tenants = {digest: name for name, digest in (keys or {}).items()}
-        self.allowed_origins = {o.rstrip("/").lower() for o in allowed_origins}
         self._secret = secret or secrets.token_bytes(32)
 
     @classmethod
@@ -177,19 +171,6 @@ class Access:
             return Principal("", f"client:{client}")
         cookie = self.new_client_cookie()
         return Principal("", f"client:{cookie.rsplit('.', 1)[0]}", new_client_cookie=cookie)
-
-    def origin_ok(self, headers: Mapping[str, str], scheme: str) -> bool:
-        """No Origin (not a browser), the page's own origin, or an allowed one."""
-        origin = headers.get("origin")
-        if origin is None:
-            return True
-        origin = origin.rstrip("/").lower()
-        if origin in self.allowed_origins:
-            return True
-        host = headers.get("host", "").lower()
-        parts = urlsplit(origin)
-        own = {"ws": "http", "wss": "https"}.get(scheme, scheme)
-        return parts.scheme == own and parts.netloc == host
 
 
 class ParleyAuth(AuthenticationBackend):
