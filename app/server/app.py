@@ -30,7 +30,15 @@ from app.server.chat_service import ChatConfig, ChatService
 from app.server.hosts import HostGuard, HostPolicy
 from app.server.journal import Journal, JournalConfig
 from app.server.metrics import CONTENT_TYPE, Metrics, ResumeCollector
-from app.server.security import AUTH_COOKIE, CLIENT_COOKIE, Access, ParleyAuth, Principal
+from app.server.security import (
+    AUTH_COOKIE,
+    CLIENT_COOKIE,
+    CSRF_COOKIE,
+    LOGIN_TTL_S,
+    Access,
+    ParleyAuth,
+    Principal,
+)
 from app.server.streams import Streams, StreamsConfig
 from app.server.turn_runner import TurnRunner
 from app.server.ws import ws_endpoint
@@ -69,6 +77,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # besides loopback and `host`; "*": any (hosts.py)
     allowed_origins: tuple[str, ...] = ()  # besides the page's own origin (hosts.py)
     secret: bytes | None = None  # signs cookies; None: a new one per process
+    login_ttl_s: float = LOGIN_TTL_S  # how long a page login lasts (or until its key changes)
     streams: StreamsConfig = field(default_factory=StreamsConfig)  # resumable turns
     journal: JournalConfig | None = None  # durable turns on Redis Streams
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas > 1: on Ray
@@ -83,7 +92,7 @@ class ServerConfig:
     def access(self) -> Access:
         if self.api_key and self.api_keys:
             raise ValueError("give one API key or a keys file, not both")
-        kw: dict[str, Any] = {"secret": self.secret}
+        kw: dict[str, Any] = {"secret": self.secret, "login_ttl_s": self.login_ttl_s}
         if self.api_keys:
             return Access(self.api_keys, **kw)
         return Access.single_key(self.api_key, **kw)
@@ -100,15 +109,24 @@ def _page(request: Request, template: str, context: dict[str, Any], status: int 
     return response
 
 
+def _login_page(request: Request, error: str | None = None, status: int = 200) -> Response:
+    """The key form, with a token that goes with a cookie set now (login CSRF)."""
+    cookie, token = request.state.access.csrf_pair()
+    response = _page(request, "login.html", {"error": error, "csrf": token}, status)
+    secure = request.url.scheme == "https"
+    response.set_cookie(CSRF_COOKIE, cookie, httponly=True, samesite="strict", path="/login",
+                        secure=secure)  # fmt: skip
+    return response
+
+
 async def index(request: Request) -> Response:
     principal = request.user
     if not isinstance(principal, Principal):
-        return _page(request, "login.html", {"error": None})
+        return _login_page(request)
     response = _page(request, "index.html", {"model_name": request.state.engine.info.name})
     if principal.new_client_cookie:  # this browser's lineage: it owns its conversations
-        response.set_cookie(
-            CLIENT_COOKIE, principal.new_client_cookie, httponly=True, samesite="strict"
-        )
+        response.set_cookie(CLIENT_COOKIE, principal.new_client_cookie, httponly=True,
+                            samesite="strict", secure=request.url.scheme == "https")  # fmt: skip
     return response
 
 
@@ -116,14 +134,18 @@ async def login(request: Request) -> Response:
     access: Access = request.state.access
     if not access.enabled:
         return RedirectResponse("/", status_code=303)
-    key = (await request.form()).get("key")
+    form = await request.form()
+    if not access.csrf_ok(request.cookies.get(CSRF_COOKIE), form.get("csrf")):
+        return _login_page(request, "This form came from elsewhere or expired: try again.", 403)
+    key = form.get("key")
     tenant = access.tenant_for_key(key) if isinstance(key, str) else None
     if tenant is None:
-        return _page(request, "login.html", {"error": "That key is not right."}, 401)
+        return _login_page(request, "That key is not right.", 401)
     response = RedirectResponse("/", status_code=303)
-    response.set_cookie(
-        AUTH_COOKIE, access.page_cookie(tenant), httponly=True, samesite="strict", path="/"
-    )
+    response.set_cookie(AUTH_COOKIE, access.page_cookie(tenant), max_age=int(access.login_ttl_s),
+                        httponly=True, samesite="strict", path="/",
+                        secure=request.url.scheme == "https")  # fmt: skip
+    response.delete_cookie(CSRF_COOKIE, path="/login")
     return response
 
 

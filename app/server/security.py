@@ -6,8 +6,12 @@ Every request gets a Principal from Starlette's authentication middleware (Parle
   the key's tenant. /v1 takes the key as `Authorization: Bearer <key>`; the chat page,
   which cannot put headers on a WebSocket (and must not put a key in a URL, where logs
   keep it), asks for the key once and gets an HttpOnly, SameSite=Strict cookie naming the
-  tenant under an HMAC; /ws accepts that cookie or the Bearer header. Keys are kept only
-  as SHA-256 digests.
+  tenant and an expiry under an HMAC bound to the key's digest (Secure over TLS); /ws
+  accepts that cookie or the Bearer header. The cookie secret is shared by a user's
+  servers (persistent_secret), so the binding is what makes a rotated key, or a tenant
+  removed from the key set, revoke the cookies it issued once the server restarts with
+  the new set. The login form carries a token that goes with a cookie of its own (login
+  CSRF). Keys are kept only as SHA-256 digests.
 - Without keys everyone is let in, and a conversation belongs to the browser that started
   it: the page (and /ws) hand out a client cookie, a random id under an HMAC, so a reload
   keeps the lineage. A client that keeps no cookies is its own socket.
@@ -22,10 +26,12 @@ decided before this, by app.server.hosts.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import secrets
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +40,9 @@ from starlette.requests import HTTPConnection
 
 AUTH_COOKIE = "parley_auth"  # a tenant's page login
 CLIENT_COOKIE = "parley_client"  # a browser lineage, without keys
+CSRF_COOKIE = "parley_csrf"  # goes with the login form's token
 DEFAULT_TENANT = "default"  # the tenant of a single --api-key
+LOGIN_TTL_S = 7 * 86400.0  # a page login lasts a week, or until its key changes
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,17 @@ class Principal(BaseUser):
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+def _b64(text: str) -> str:  # tenant names in cookie values: no ";", ",", "." or "~"
+    return base64.urlsafe_b64encode(text.encode()).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> str | None:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def persistent_secret(folder: Path) -> bytes:
@@ -108,13 +127,20 @@ def parse_keys_file(path: Path) -> dict[str, bytes]:
 
 
 class Access:
-    """One server's keys and cookie secret."""
+    """One server's keys and cookie secret. `clock` (wall time, seconds) dates cookies."""
 
     def __init__(
-        self, keys: Mapping[str, bytes] | None = None, secret: bytes | None = None
+        self,
+        keys: Mapping[str, bytes] | None = None,
+        secret: bytes | None = None,
+        login_ttl_s: float = LOGIN_TTL_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        self._tenants = {digest: name for name, digest in (keys or {}).items()}
+        self._keys = dict(keys or {})  # tenant -> SHA-256 of its key
+        self._tenants = {digest: name for name, digest in self._keys.items()}
         self._secret = secret or secrets.token_bytes(32)
+        self.login_ttl_s = login_ttl_s
+        self._clock = clock
 
     @classmethod
     def single_key(cls, api_key: str | None, **kw) -> Access:
@@ -125,6 +151,13 @@ class Access:
         """Whether API keys are required."""
         return bool(self._tenants)
 
+    @property
+    def tenants(self) -> int:
+        return len(self._keys)
+
+    def key_digest(self, tenant: str) -> bytes | None:
+        return self._keys.get(tenant)
+
     def tenant_for_key(self, key: str) -> str | None:
         digest = _digest(key)
         for known, name in self._tenants.items():
@@ -134,8 +167,9 @@ class Access:
 
     # -- signed cookie values: "<value>.<mac>" ---------------------------------------------
 
-    def _sign(self, kind: str, value: str) -> str:
-        mac = hmac.new(self._secret, f"{kind}:{value}".encode(), hashlib.sha256).hexdigest()
+    def _sign(self, kind: str, value: str, bound: bytes = b"") -> str:
+        message = f"{kind}:{value}:".encode() + bound
+        mac = hmac.new(self._secret, message, hashlib.sha256).hexdigest()
         return f"{value}.{mac[:32]}"
 
     def _verify(self, kind: str, cookie: str | None) -> str | None:
@@ -145,11 +179,39 @@ class Access:
         return value if hmac.compare_digest(self._sign(kind, value), cookie) else None
 
     def page_cookie(self, tenant: str) -> str:
-        """The login cookie: proves the tenant's key was given, without being the key."""
-        return self._sign("tenant", tenant)
+        """The login cookie: proves the tenant's key was given, without being the key.
+        It names the tenant and its expiry, under a MAC that also covers the key's digest,
+        so that it dies with the key: a server started with another key for the tenant
+        (or without the tenant) refuses it."""
+        expires = int(self._clock() + self.login_ttl_s)
+        return self._sign("tenant", f"{_b64(tenant)}~{expires}", self._keys[tenant])
+
+    def _page_tenant(self, cookie: str | None) -> str | None:
+        if not cookie or cookie.count(".") != 1:
+            return None
+        value = cookie.split(".", 1)[0]
+        name, sep, expires = value.partition("~")
+        tenant = _unb64(name)
+        digest = self._keys.get(tenant) if tenant is not None else None
+        if digest is None or not sep or not expires.isdigit():
+            return None
+        if not hmac.compare_digest(self._sign("tenant", value, digest), cookie):
+            return None
+        return tenant if self._clock() < int(expires) else None
 
     def new_client_cookie(self) -> str:
         return self._sign("client", secrets.token_hex(16))
+
+    def csrf_pair(self) -> tuple[str, str]:
+        """A login form's cookie and the token its page carries: a cross-site form post
+        has neither the cookie (SameSite=Strict) nor a token that goes with one."""
+        nonce = secrets.token_hex(16)
+        return nonce, self._sign("csrf", nonce).rsplit(".", 1)[1]
+
+    def csrf_ok(self, cookie: str | None, token: object) -> bool:
+        if not cookie or not isinstance(token, str):
+            return False
+        return hmac.compare_digest(self._sign("csrf", cookie), f"{cookie}.{token}")
 
     # -- who is asking ---------------------------------------------------------------------
 
@@ -163,8 +225,7 @@ class Access:
             if scheme.lower() == "bearer" and token.strip():
                 tenant = self.tenant_for_key(token.strip())
             else:
-                named = self._verify("tenant", cookies.get(AUTH_COOKIE))
-                tenant = named if named in self._tenants.values() else None
+                tenant = self._page_tenant(cookies.get(AUTH_COOKIE))
             return None if tenant is None else Principal(tenant, f"tenant:{tenant}")
         client = self._verify("client", cookies.get(CLIENT_COOKIE))
         if client is not None:

@@ -47,6 +47,7 @@ class ChatSocket:
         if self.principal.new_client_cookie:  # a new lineage: clients that keep cookies keep it
             value = self.principal.new_client_cookie
             cookie = f"{CLIENT_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict"
+            cookie += "; Secure" if self.ws.url.scheme == "wss" else ""
             headers.append((b"set-cookie", cookie.encode()))
         await self.ws.accept(headers=headers)
         try:
