@@ -139,9 +139,11 @@ FLAGS: list[tuple[str, dict]] = [
     (
         "--prefix-cache-isolation",
         dict(
-            choices=("none", "tenant"),
-            default="none",
-            help="tenant: tenants never share prefix-cache blocks (nor time each other's)",
+            choices=("auto", "none", "tenant"),
+            default="auto",
+            help="tenant: no tenant (without keys: no browser client) reuses prefix-cache "
+            "blocks of another, so none can read or time another's prompts from "
+            "cached_tokens; auto: tenant when --api-keys-file lists several tenants",
         ),
     ),
     (
@@ -292,7 +294,9 @@ def server_config(args: argparse.Namespace):
         chat=ChatConfig(
             max_turns_per_socket=args.max_turns_per_socket,
             max_connections=args.max_connections,
-            isolate_prefix_cache=args.prefix_cache_isolation == "tenant",
+            isolate_prefix_cache={"auto": None, "none": False, "tenant": True}[
+                args.prefix_cache_isolation
+            ],
         ),
         otlp_endpoint=args.otlp_endpoint,
         api_key=args.api_key or None,

@@ -120,3 +120,21 @@ def test_allowed_hosts_and_origins_flags(monkeypatch):
     assert config.allowed_hosts == ("chat.example.org", ".corp.example")
     assert config.allowed_origins == ("https://chat.example.org",)
     assert "chat.example.org" in config.describe()[0]
+
+
+def test_prefix_cache_isolation_is_on_with_several_tenants_and_said(tmp_path):
+    from app.__main__ import server_config
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice a-key\nbob b-key\n")
+    config = server_config(build_parser().parse_args(["--api-keys-file", str(keys)]))
+    assert config.chat_config().isolate_prefix_cache
+    assert "prefix cache isolated per tenant (2 tenants)" in config.describe()
+    args = ["--api-keys-file", str(keys), "--prefix-cache-isolation", "none"]
+    config = server_config(build_parser().parse_args(args))
+    assert not config.chat_config().isolate_prefix_cache
+    assert any("SHARED by 2 tenants" in line for line in config.describe())
+    config = server_config(build_parser().parse_args(["--api-key", "k"]))
+    assert not config.chat_config().isolate_prefix_cache  # one tenant: nobody to hide from
+    config = server_config(build_parser().parse_args(["--prefix-cache-isolation", "tenant"]))
+    assert "prefix cache isolated per browser client" in config.describe()

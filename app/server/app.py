@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +85,29 @@ class ServerConfig:
     def host_policy(self) -> HostPolicy:
         return HostPolicy.build(self.host, self.allowed_hosts, self.allowed_origins)
 
+    def chat_config(self) -> ChatConfig:
+        """`chat`, with prefix-cache isolation decided where it was left open: on when
+        several tenants share the server (one tenant's prompts must not show in another's
+        cached_tokens or timings), off otherwise."""
+        if self.chat.isolate_prefix_cache is not None:
+            return self.chat
+        return replace(self.chat, isolate_prefix_cache=len(self.api_keys or {}) > 1)
+
     def describe(self) -> list[str]:
-        """What the person starting the server should know: who can reach it."""
-        return [f"answers to the Host names {self.host_policy().describe()}"]
+        """What the person starting the server should know: who can reach it, and what
+        its users can learn of each other."""
+        lines = [f"answers to the Host names {self.host_policy().describe()}"]
+        tenants = len(self.api_keys or {}) or (1 if self.api_key else 0)
+        if self.chat_config().isolate_prefix_cache:
+            per = "tenant" if tenants else "browser client"
+            count = f" ({tenants} tenants)" if tenants > 1 else ""
+            lines.append(f"prefix cache isolated per {per}{count}")
+        elif tenants > 1:
+            lines.append(
+                f"prefix cache SHARED by {tenants} tenants: cached_tokens and timings can "
+                "tell one what another asked (--prefix-cache-isolation tenant isolates them)"
+            )
+        return lines
 
     def access(self) -> Access:
         if self.api_key and self.api_keys:
@@ -196,7 +216,7 @@ def create_app(
             extra.append(RequestTracer.to_endpoint(server_config.otlp_endpoint))
         for listener in [metrics, *extra]:
             eng.add_listener(listener)
-        chat = ChatService(eng, server_config.chat)
+        chat = ChatService(eng, server_config.chat_config())
         streams = Streams(server_config.streams)
         journal = Journal(server_config.journal) if server_config.journal else None
         runner = TurnRunner(chat, streams, journal)

@@ -33,7 +33,9 @@ class ChatConfig:
     max_turns_per_socket: int = 8
     max_conversations: int = 10_000
     max_connections: int = 256  # open /ws sockets; more are refused with "busy"
-    isolate_prefix_cache: bool = False  # True: tenants never share prefix-cache blocks
+    # True: no prefix-cache block computed for one tenant (without keys: one browser
+    # client) is reused for another. None: decided by the server (on with several tenants).
+    isolate_prefix_cache: bool | None = None
 
 
 @dataclass
@@ -60,7 +62,11 @@ class ChatService:
         self.connections = 0  # open /ws sockets (event-loop only)
 
     def cache_salt(self, principal: Principal) -> str | None:
-        return principal.tenant if self.config.isolate_prefix_cache else None
+        """The principal's isolation domain: its tenant, or without keys its browser
+        lineage (a client that keeps no cookie is a domain per socket or request)."""
+        if not self.config.isolate_prefix_cache:
+            return None
+        return principal.tenant or principal.owner
 
     def _owned(self, principal: Principal, conv: Conversation, frame_id: str | None) -> None:
         if conv.owner != principal.owner:
