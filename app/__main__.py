@@ -105,6 +105,18 @@ FLAGS: list[tuple[str, dict]] = [
     ("--max-turns-per-socket", dict(type=int, default=8)),
     ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
     ("--max-connections", dict(type=int, default=256, help="open /ws sockets")),
+    (
+        "--max-connections-per-client",
+        dict(type=int, default=64, help="one client's share of them (a tenant, or an address)"),
+    ),
+    (
+        "--max-turns-per-client",
+        dict(type=int, default=64, help="one client's turns in flight, /ws and /v1 together"),
+    ),
+    (
+        "--idle-timeout",
+        dict(type=float, default=300.0, help="seconds a /ws socket carrying no turn may be silent"),
+    ),
     ("--request-timeout", dict(type=float, default=600.0, help="seconds a request may run")),
     (
         "--resume-grace",
@@ -294,6 +306,9 @@ def server_config(args: argparse.Namespace):
         chat=ChatConfig(
             max_turns_per_socket=args.max_turns_per_socket,
             max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
+            max_turns_per_client=args.max_turns_per_client,
+            idle_timeout_s=args.idle_timeout,
             isolate_prefix_cache={"auto": None, "none": False, "tenant": True}[
                 args.prefix_cache_isolation
             ],

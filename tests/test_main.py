@@ -138,3 +138,16 @@ def test_prefix_cache_isolation_is_on_with_several_tenants_and_said(tmp_path):
     assert not config.chat_config().isolate_prefix_cache  # one tenant: nobody to hide from
     config = server_config(build_parser().parse_args(["--prefix-cache-isolation", "tenant"]))
     assert "prefix cache isolated per browser client" in config.describe()
+
+
+def test_per_client_share_flags(monkeypatch):
+    from app.__main__ import server_config
+
+    chat = server_config(build_parser().parse_args([])).chat
+    assert (chat.max_connections_per_client, chat.max_turns_per_client) == (64, 64)
+    assert chat.idle_timeout_s == 300.0
+    monkeypatch.setenv("PARLEY_IDLE_TIMEOUT", "30")
+    args = ["--max-connections-per-client", "8", "--max-turns-per-client", "4"]
+    chat = server_config(build_parser().parse_args(args)).chat
+    assert (chat.max_connections_per_client, chat.max_turns_per_client) == (8, 4)
+    assert chat.idle_timeout_s == 30.0

@@ -39,6 +39,7 @@ from app.server.security import (
     ParleyAuth,
     Principal,
 )
+from app.server.shares import V1TurnShare
 from app.server.streams import Streams, StreamsConfig
 from app.server.turn_runner import TurnRunner
 from app.server.ws import ws_endpoint
@@ -262,6 +263,7 @@ def create_app(
     middleware = [
         Middleware(HostGuard, policy=server_config.host_policy()),  # first: DNS rebinding
         Middleware(AuthenticationMiddleware, backend=ParleyAuth(access)),
+        Middleware(V1TurnShare),  # a client's /v1 requests count against its turn share
     ]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 

@@ -53,6 +53,7 @@ class Principal(BaseUser):
     tenant: str
     owner: str
     new_client_cookie: str | None = None  # a lineage begun now: send this cookie back
+    share: str = ""  # whose share of sockets and turns it uses (app.server.shares); "": none
 
     @property
     def is_authenticated(self) -> bool:
@@ -216,9 +217,10 @@ class Access:
     # -- who is asking ---------------------------------------------------------------------
 
     def authenticate(
-        self, headers: Mapping[str, str], cookies: Mapping[str, str]
+        self, headers: Mapping[str, str], cookies: Mapping[str, str], address: str = ""
     ) -> Principal | None:
-        """The principal of a request, or None when a key is required and missing."""
+        """The principal of a request from `address`, or None when a key is required and
+        missing. Its share is its tenant's or, without keys, its address's."""
         if self.enabled:
             tenant = None
             scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -226,12 +228,15 @@ class Access:
                 tenant = self.tenant_for_key(token.strip())
             else:
                 tenant = self._page_tenant(cookies.get(AUTH_COOKIE))
-            return None if tenant is None else Principal(tenant, f"tenant:{tenant}")
+            owner = f"tenant:{tenant}"
+            return None if tenant is None else Principal(tenant, owner, share=owner)
+        share = f"address:{address}" if address else ""
         client = self._verify("client", cookies.get(CLIENT_COOKIE))
         if client is not None:
-            return Principal("", f"client:{client}")
+            return Principal("", f"client:{client}", share=share or f"client:{client}")
         cookie = self.new_client_cookie()
-        return Principal("", f"client:{cookie.rsplit('.', 1)[0]}", new_client_cookie=cookie)
+        owner = f"client:{cookie.rsplit('.', 1)[0]}"
+        return Principal("", owner, new_client_cookie=cookie, share=share or owner)
 
 
 class ParleyAuth(AuthenticationBackend):
@@ -242,7 +247,8 @@ class ParleyAuth(AuthenticationBackend):
         self.access = access
 
     async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, Principal] | None:
-        principal = self.access.authenticate(conn.headers, conn.cookies)
+        address = conn.client.host if conn.client else ""
+        principal = self.access.authenticate(conn.headers, conn.cookies, address)
         if principal is None:
             return None
         return AuthCredentials(["authenticated"]), principal
