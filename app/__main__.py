@@ -149,6 +149,13 @@ FLAGS: list[tuple[str, dict]] = [
         dict(help="several keys, one tenant each: lines of 'name key' (or 'name sha256:HEX')"),
     ),
     (
+        "--metrics-key",
+        dict(
+            help="require this key (Authorization: Bearer) on /metrics; default: open, "
+            "for a scraper on loopback"
+        ),
+    ),
+    (
         "--prefix-cache-isolation",
         dict(
             choices=("auto", "none", "tenant"),
@@ -316,6 +323,7 @@ def server_config(args: argparse.Namespace):
         otlp_endpoint=args.otlp_endpoint,
         api_key=args.api_key or None,
         api_keys=keys,
+        metrics_key=args.metrics_key or None,
         allowed_origins=comma_list(args.allowed_origins),
         allowed_hosts=comma_list(args.allowed_hosts),
         secret=persistent_secret(ModelConfig().cache_dir),

@@ -151,3 +151,15 @@ def test_per_client_share_flags(monkeypatch):
     chat = server_config(build_parser().parse_args(args)).chat
     assert (chat.max_connections_per_client, chat.max_turns_per_client) == (8, 4)
     assert chat.idle_timeout_s == 30.0
+
+
+def test_metrics_key_flag(monkeypatch):
+    from app.__main__ import server_config
+
+    assert server_config(build_parser().parse_args([])).metrics_key is None
+    config = server_config(build_parser().parse_args(["--api-key", "k"]))
+    assert any("/metrics is open" in line for line in config.describe())
+    monkeypatch.setenv("PARLEY_METRICS_KEY", "scrape")
+    config = server_config(build_parser().parse_args(["--api-key", "k"]))
+    assert config.metrics_key == "scrape"
+    assert not any("/metrics" in line for line in config.describe())

@@ -79,6 +79,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # besides the page's own origin (hosts.py)
     secret: bytes | None = None  # signs cookies; None: a new one per process
     login_ttl_s: float = LOGIN_TTL_S  # how long a page login lasts (or until its key changes)
+    metrics_key: str | None = None  # /metrics wants it as a Bearer key; None: open
     streams: StreamsConfig = field(default_factory=StreamsConfig)  # resumable turns
     journal: JournalConfig | None = None  # durable turns on Redis Streams
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas > 1: on Ray
@@ -108,6 +109,8 @@ class ServerConfig:
                 f"prefix cache SHARED by {tenants} tenants: cached_tokens and timings can "
                 "tell one what another asked (--prefix-cache-isolation tenant isolates them)"
             )
+        if tenants and not self.metrics_key:
+            lines.append("/metrics is open to whoever reaches the server (--metrics-key)")
         return lines
 
     def access(self) -> Access:
@@ -183,6 +186,11 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    if not request.state.metrics.allows(request.headers.get("authorization", "")):
+        body = {"error": {"message": "/metrics wants the metrics key: Authorization: Bearer "
+                          "<key>", "type": "invalid_request_error", "param": None,
+                          "code": "invalid_api_key"}}  # fmt: skip
+        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
     return Response(request.state.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -209,7 +217,7 @@ def create_app(
             eng = await asyncio.to_thread(
                 _build_engine, engine_config or EngineConfig(), server_config.cluster
             )
-        metrics = Metrics(eng)
+        metrics = Metrics(eng, server_config.metrics_key)
         extra = list(listeners or [])
         if server_config.otlp_endpoint:
             from app.server.tracing import RequestTracer
