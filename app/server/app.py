@@ -27,6 +27,7 @@ from app.config import ClusterConfig, EngineConfig
 from app.engine.protocol import EngineClient
 from app.server import openai_api
 from app.server.chat_service import ChatConfig, ChatService
+from app.server.errors import APIError
 from app.server.hosts import HostGuard, HostPolicy
 from app.server.journal import Journal, JournalConfig
 from app.server.metrics import CONTENT_TYPE, Metrics, ResumeCollector
@@ -187,10 +188,9 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     if not request.state.metrics.allows(request.headers.get("authorization", "")):
-        body = {"error": {"message": "/metrics wants the metrics key: Authorization: Bearer "
-                          "<key>", "type": "invalid_request_error", "param": None,
-                          "code": "invalid_api_key"}}  # fmt: skip
-        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        message = "/metrics wants the metrics key: Authorization: Bearer <key>"
+        bearer = {"WWW-Authenticate": "Bearer"}
+        return APIError(401, message, code="invalid_api_key", headers=bearer).response()
     return Response(request.state.metrics.render(), media_type=CONTENT_TYPE)
 
 
