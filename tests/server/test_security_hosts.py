@@ -11,8 +11,11 @@ import json
 import httpx
 import pytest
 import websockets
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.server.app import ServerConfig, create_app
+from app.server.hosts import HostPolicy, check, split_host
 from tests.e2e.live_server import live_server
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_security import chat_once, ws_url
@@ -134,3 +137,18 @@ def test_the_page_itself_still_works(server):
     assert page.status_code == 200 and 'id="messages"' in page.text
     origin = {"origin": server.url}
     assert asyncio.run(chat_once(ws_url(server), **origin))["type"] == "done"
+
+
+@given(host=st.text(max_size=40), origin=st.text(max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_any_host_or_origin_header_gets_an_answer_not_an_exception(host, origin):
+    """Whatever bytes a client puts in Host and Origin, the guard decides; and it lets
+    through only hosts it would name itself."""
+    policy = HostPolicy.build("127.0.0.1")
+    headers = [(b"host", host.encode("latin-1", "replace")),
+               (b"origin", origin.encode("latin-1", "replace"))]  # fmt: skip
+    refusal = check(policy, {"type": "http", "scheme": "http", "method": "POST",
+                             "headers": headers})  # fmt: skip
+    if refusal is None:
+        assert split_host(host.encode("latin-1", "replace").decode("latin-1"))[0] in (
+            "localhost", "127.0.0.1", "::1")  # fmt: skip
