@@ -111,6 +111,18 @@ FLAGS: list[tuple[str, dict]] = [
     ("--max-turns-per-socket", dict(type=int, default=8)),
     ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
     ("--max-connections", dict(type=int, default=256, help="open /ws sockets")),
+    (
+        "--max-connections-per-client",
+        dict(type=int, default=64, help="one client's share of them (a tenant, or an address)"),
+    ),
+    (
+        "--max-turns-per-client",
+        dict(type=int, default=64, help="one client's turns in flight, /ws and /v1 together"),
+    ),
+    (
+        "--idle-timeout",
+        dict(type=float, default=300.0, help="seconds a /ws socket carrying no turn may be silent"),
+    ),
     ("--request-timeout", dict(type=float, default=600.0, help="seconds a request may run")),
     (
         "--resume-grace",
@@ -143,16 +155,38 @@ FLAGS: list[tuple[str, dict]] = [
         dict(help="several keys, one tenant each: lines of 'name key' (or 'name sha256:HEX')"),
     ),
     (
+        "--metrics-key",
+        dict(
+            help="require this key (Authorization: Bearer) on /metrics "
+            "(default: open, for a scraper on loopback)"
+        ),
+    ),
+    (
         "--prefix-cache-isolation",
         dict(
-            choices=("none", "tenant"),
-            default="none",
-            help="tenant: tenants never share prefix-cache blocks (nor time each other's)",
+            choices=("auto", "none", "tenant"),
+            default="auto",
+            help="tenant: no tenant (without keys: no browser client) reuses prefix-cache "
+            "blocks of another, so none can read or time another's prompts from "
+            "cached_tokens; auto: tenant when --api-keys-file lists several tenants",
         ),
     ),
     (
         "--allowed-origins",
-        dict(default="", help="comma-separated extra origins allowed to open /ws"),
+        dict(
+            default="",
+            help="comma-separated origins, besides the page's own, whose pages "
+            "may use this server (its /ws and /v1 from a browser)",
+        ),
+    ),
+    (
+        "--allowed-hosts",
+        dict(
+            default="",
+            help="comma-separated Host names served besides the loopback names "
+            "and --host (.example.org: it and its subdomains; *: any). Needed behind a "
+            "proxy or under a public name; refuses DNS rebinding",
+        ),
     ),
     (
         "--otlp-endpoint",
@@ -208,9 +242,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
                "--batching", "--itl-target-ms", "--session-ttl", "--max-waiting",
                "--request-timeout"),
     "server": ("--host", "--port", "--max-turns-per-socket", "--max-connections",
+               "--max-connections-per-client", "--max-turns-per-client", "--idle-timeout",
                "--resume-grace", "--otlp-endpoint", "--log-level"),
     "security": ("--api-key", "--api-keys-file", "--prefix-cache-isolation",
-                 "--allowed-origins"),
+                 "--allowed-hosts", "--allowed-origins", "--metrics-key"),
     "tier (K/V beyond the cache)": ("--kv-tier", "--kv-tier-ttl", "--kv-tier-store"),
     "journal (turns that survive a restart)": ("--journal", "--journal-required",
                                                "--journal-consumer", "--journal-claim-after"),
@@ -263,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
 def flag_true(value: bool | str) -> bool:
     """A boolean flag's value; from the environment it arrives as text (1/true/yes/on)."""
     return value if isinstance(value, bool) else value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def comma_list(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
 def tier_store(args: argparse.Namespace) -> str:
@@ -332,12 +371,19 @@ def server_config(args: argparse.Namespace):
         chat=ChatConfig(
             max_turns_per_socket=args.max_turns_per_socket,
             max_connections=args.max_connections,
-            isolate_prefix_cache=args.prefix_cache_isolation == "tenant",
+            max_connections_per_client=args.max_connections_per_client,
+            max_turns_per_client=args.max_turns_per_client,
+            idle_timeout_s=args.idle_timeout,
+            isolate_prefix_cache={"auto": None, "none": False, "tenant": True}[
+                args.prefix_cache_isolation
+            ],
         ),
         otlp_endpoint=args.otlp_endpoint,
         api_key=args.api_key or None,
         api_keys=keys,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        metrics_key=args.metrics_key or None,
+        allowed_origins=comma_list(args.allowed_origins),
+        allowed_hosts=comma_list(args.allowed_hosts),
         secret=persistent_secret(ModelConfig().cache_dir),
         cluster=ClusterConfig(
             replicas=args.replicas,
@@ -402,7 +448,10 @@ def serve(args: argparse.Namespace) -> None:
     url = f"http://{host}:{args.port}/"
     model = args.model or "SmolLM2-135M-Instruct (the default)"
     print(f"Parley: starting on {args.host}:{args.port}; loading {model}...", file=sys.stderr)
-    app = create_app(engine_config(args), server_config(args))
+    server = server_config(args)
+    app = create_app(engine_config(args), server)
+    for line in server.describe():
+        print(f"Parley: {line}", file=sys.stderr)
     config = uvicorn.Config(
         app,
         host=args.host,

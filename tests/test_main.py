@@ -189,3 +189,60 @@ def test_the_address_is_printed_once_the_page_answers():
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_allowed_hosts_and_origins_flags(monkeypatch):
+    from app.__main__ import server_config
+
+    config = server_config(build_parser().parse_args([]))
+    assert config.allowed_hosts == () and config.host_policy().host_ok("localhost:8000")
+    assert not config.host_policy().host_ok("evil.example:8000")
+    monkeypatch.setenv("PARLEY_ALLOWED_HOSTS", "chat.example.org, .corp.example")
+    args = build_parser().parse_args(["--allowed-origins", "https://chat.example.org"])
+    config = server_config(args)
+    assert config.allowed_hosts == ("chat.example.org", ".corp.example")
+    assert config.allowed_origins == ("https://chat.example.org",)
+    assert "chat.example.org" in config.describe()[0]
+
+
+def test_prefix_cache_isolation_is_on_with_several_tenants_and_said(tmp_path):
+    from app.__main__ import server_config
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice a-key\nbob b-key\n")
+    config = server_config(build_parser().parse_args(["--api-keys-file", str(keys)]))
+    assert config.chat_config().isolate_prefix_cache
+    assert "prefix cache isolated per tenant (2 tenants)" in config.describe()
+    args = ["--api-keys-file", str(keys), "--prefix-cache-isolation", "none"]
+    config = server_config(build_parser().parse_args(args))
+    assert not config.chat_config().isolate_prefix_cache
+    assert any("SHARED by 2 tenants" in line for line in config.describe())
+    config = server_config(build_parser().parse_args(["--api-key", "k"]))
+    assert not config.chat_config().isolate_prefix_cache  # one tenant: nobody to hide from
+    config = server_config(build_parser().parse_args(["--prefix-cache-isolation", "tenant"]))
+    assert "prefix cache isolated per browser client" in config.describe()
+
+
+def test_per_client_share_flags(monkeypatch):
+    from app.__main__ import server_config
+
+    chat = server_config(build_parser().parse_args([])).chat
+    assert (chat.max_connections_per_client, chat.max_turns_per_client) == (64, 64)
+    assert chat.idle_timeout_s == 300.0
+    monkeypatch.setenv("PARLEY_IDLE_TIMEOUT", "30")
+    args = ["--max-connections-per-client", "8", "--max-turns-per-client", "4"]
+    chat = server_config(build_parser().parse_args(args)).chat
+    assert (chat.max_connections_per_client, chat.max_turns_per_client) == (8, 4)
+    assert chat.idle_timeout_s == 30.0
+
+
+def test_metrics_key_flag(monkeypatch):
+    from app.__main__ import server_config
+
+    assert server_config(build_parser().parse_args([])).metrics_key is None
+    config = server_config(build_parser().parse_args(["--api-key", "k"]))
+    assert any("/metrics is open" in line for line in config.describe())
+    monkeypatch.setenv("PARLEY_METRICS_KEY", "scrape")
+    config = server_config(build_parser().parse_args(["--api-key", "k"]))
+    assert config.metrics_key == "scrape"
+    assert not any("/metrics" in line for line in config.describe())

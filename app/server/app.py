@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,21 @@ from app.config import ClusterConfig, EngineConfig
 from app.engine.protocol import EngineClient
 from app.server import markdown, openai_api
 from app.server.chat_service import ChatConfig, ChatService
+from app.server.errors import APIError
+from app.server.hosts import HostGuard, HostPolicy
 from app.server.journal import Journal, JournalConfig
 from app.server.metrics import CONTENT_TYPE, Metrics, ResumeCollector
 from app.server.page import page_context
-from app.server.security import AUTH_COOKIE, CLIENT_COOKIE, Access, ParleyAuth, Principal
+from app.server.security import (
+    AUTH_COOKIE,
+    CLIENT_COOKIE,
+    CSRF_COOKIE,
+    LOGIN_TTL_S,
+    Access,
+    ParleyAuth,
+    Principal,
+)
+from app.server.shares import V1TurnShare
 from app.server.streams import Streams, StreamsConfig
 from app.server.turn_runner import TurnRunner
 from app.server.ws import ws_endpoint
@@ -66,16 +77,48 @@ class ServerConfig:
     otlp_endpoint: str | None = None  # OpenTelemetry traces go here when set
     api_key: str | None = None  # one tenant's key, required on /v1 and /ws
     api_keys: Mapping[str, bytes] | None = None  # several: tenant -> SHA-256 of its key
-    allowed_origins: tuple[str, ...] = ()  # besides the page's own origin, for /ws
+    allowed_hosts: tuple[str, ...] = ()  # besides loopback and `host`; "*": any (hosts.py)
+    allowed_origins: tuple[str, ...] = ()  # besides the page's own origin (hosts.py)
     secret: bytes | None = None  # signs cookies; None: a new one per process
+    login_ttl_s: float = LOGIN_TTL_S  # how long a page login lasts (or until its key changes)
+    metrics_key: str | None = None  # /metrics wants it as a Bearer key; None: open
     streams: StreamsConfig = field(default_factory=StreamsConfig)  # resumable turns
     journal: JournalConfig | None = None  # durable turns on Redis Streams
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # replicas > 1: on Ray
 
+    def host_policy(self) -> HostPolicy:
+        return HostPolicy.build(self.host, self.allowed_hosts, self.allowed_origins)
+
+    def chat_config(self) -> ChatConfig:
+        """`chat`, with prefix-cache isolation decided where it was left open: on when
+        several tenants share the server (one tenant's prompts must not show in another's
+        cached_tokens or timings), off otherwise."""
+        if self.chat.isolate_prefix_cache is not None:
+            return self.chat
+        return replace(self.chat, isolate_prefix_cache=len(self.api_keys or {}) > 1)
+
+    def describe(self) -> list[str]:
+        """What the person starting the server should know: who can reach it, and what
+        its users can learn of each other."""
+        lines = [f"answers to the Host names {self.host_policy().describe()}"]
+        tenants = len(self.api_keys or {}) or (1 if self.api_key else 0)
+        if self.chat_config().isolate_prefix_cache:
+            per = "tenant" if tenants else "browser client"
+            count = f" ({tenants} tenants)" if tenants > 1 else ""
+            lines.append(f"prefix cache isolated per {per}{count}")
+        elif tenants > 1:
+            lines.append(
+                f"prefix cache SHARED by {tenants} tenants: cached_tokens and timings can "
+                "tell one what another asked (--prefix-cache-isolation tenant isolates them)"
+            )
+        if tenants and not self.metrics_key:
+            lines.append("/metrics is open to whoever reaches the server (--metrics-key)")
+        return lines
+
     def access(self) -> Access:
         if self.api_key and self.api_keys:
             raise ValueError("give one API key or a keys file, not both")
-        kw: dict[str, Any] = {"allowed_origins": self.allowed_origins, "secret": self.secret}
+        kw: dict[str, Any] = {"secret": self.secret, "login_ttl_s": self.login_ttl_s}
         if self.api_keys:
             return Access(self.api_keys, **kw)
         return Access.single_key(self.api_key, **kw)
@@ -92,15 +135,24 @@ def _page(request: Request, template: str, context: dict[str, Any], status: int 
     return response
 
 
+def _login_page(request: Request, error: str | None = None, status: int = 200) -> Response:
+    """The key form, with a token that goes with a cookie set now (login CSRF)."""
+    cookie, token = request.state.access.csrf_pair()
+    response = _page(request, "login.html", {"error": error, "csrf": token}, status)
+    secure = request.url.scheme == "https"
+    response.set_cookie(CSRF_COOKIE, cookie, httponly=True, samesite="strict", path="/login",
+                        secure=secure)  # fmt: skip
+    return response
+
+
 async def index(request: Request) -> Response:
     principal = request.user
     if not isinstance(principal, Principal):
-        return _page(request, "login.html", {"error": None})
+        return _login_page(request)
     response = _page(request, "index.html", page_context(request.state.engine.info))
     if principal.new_client_cookie:  # this browser's lineage: it owns its conversations
-        response.set_cookie(
-            CLIENT_COOKIE, principal.new_client_cookie, httponly=True, samesite="strict"
-        )
+        response.set_cookie(CLIENT_COOKIE, principal.new_client_cookie, httponly=True,
+                            samesite="strict", secure=request.url.scheme == "https")  # fmt: skip
     return response
 
 
@@ -108,14 +160,18 @@ async def login(request: Request) -> Response:
     access: Access = request.state.access
     if not access.enabled:
         return RedirectResponse("/", status_code=303)
-    key = (await request.form()).get("key")
+    form = await request.form()
+    if not access.csrf_ok(request.cookies.get(CSRF_COOKIE), form.get("csrf")):
+        return _login_page(request, "This form came from elsewhere or expired: try again.", 403)
+    key = form.get("key")
     tenant = access.tenant_for_key(key) if isinstance(key, str) else None
     if tenant is None:
-        return _page(request, "login.html", {"error": "That key is not right."}, 401)
+        return _login_page(request, "That key is not right.", 401)
     response = RedirectResponse("/", status_code=303)
-    response.set_cookie(
-        AUTH_COOKIE, access.page_cookie(tenant), httponly=True, samesite="strict", path="/"
-    )
+    response.set_cookie(AUTH_COOKIE, access.page_cookie(tenant), max_age=int(access.login_ttl_s),
+                        httponly=True, samesite="strict", path="/",
+                        secure=request.url.scheme == "https")  # fmt: skip
+    response.delete_cookie(CSRF_COOKIE, path="/login")
     return response
 
 
@@ -132,6 +188,10 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    if not request.state.metrics.allows(request.headers.get("authorization", "")):
+        message = "/metrics wants the metrics key: Authorization: Bearer <key>"
+        bearer = {"WWW-Authenticate": "Bearer"}
+        return APIError(401, message, code="invalid_api_key", headers=bearer).response()
     return Response(request.state.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -158,7 +218,7 @@ def create_app(
             eng = await asyncio.to_thread(
                 _build_engine, engine_config or EngineConfig(), server_config.cluster
             )
-        metrics = Metrics(eng)
+        metrics = Metrics(eng, server_config.metrics_key)
         extra = list(listeners or [])
         if server_config.otlp_endpoint:
             from app.server.tracing import RequestTracer
@@ -166,7 +226,7 @@ def create_app(
             extra.append(RequestTracer.to_endpoint(server_config.otlp_endpoint))
         for listener in [metrics, *extra]:
             eng.add_listener(listener)
-        chat = ChatService(eng, server_config.chat)
+        chat = ChatService(eng, server_config.chat_config())
         streams = Streams(server_config.streams)
         journal = Journal(server_config.journal) if server_config.journal else None
         runner = TurnRunner(chat, streams, journal)
@@ -211,7 +271,11 @@ def create_app(
         WebSocketRoute("/ws", ws_endpoint),
         Mount("/static", StaticFiles(directory=str(asset_dir("static"))), name="static"),
     ]
-    middleware = [Middleware(AuthenticationMiddleware, backend=ParleyAuth(access))]
+    middleware = [
+        Middleware(HostGuard, policy=server_config.host_policy()),  # first: DNS rebinding
+        Middleware(AuthenticationMiddleware, backend=ParleyAuth(access)),
+        Middleware(V1TurnShare),  # a client's /v1 requests count against its turn share
+    ]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 

@@ -21,6 +21,7 @@ from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
 from app.server import protocol as p
 from app.server.security import Principal
+from app.server.shares import Share
 
 log = logging.getLogger("parley.chat")
 
@@ -34,7 +35,12 @@ class ChatConfig:
     max_turns_per_socket: int = 8
     max_conversations: int = 10_000
     max_connections: int = 256  # open /ws sockets; more are refused with "busy"
-    isolate_prefix_cache: bool = False  # True: tenants never share prefix-cache blocks
+    max_connections_per_client: int = 64  # one client's share of them (app.server.shares)
+    max_turns_per_client: int = 64  # one client's turns in flight, /ws and /v1 together
+    idle_timeout_s: float = 300.0  # a socket carrying no turn that says nothing is closed
+    # True: no prefix-cache block computed for one tenant (without keys: one browser
+    # client) is reused for another. None: decided by the server (on with several tenants).
+    isolate_prefix_cache: bool | None = None
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Turn:
     messages: list[Message]  # the history this turn answers
     principal: Principal
     token: str  # unique to this turn: only it can clear its conversation's busy mark
+    share: str = ""  # the client's turn share it holds until it ends ("": none)
     window: Window | None = None  # what the model sees of `messages` (set by prompt_ids)
 
     @property
@@ -65,9 +72,15 @@ class ChatService:
         self.max_tokens_limit = info.max_model_len - 1
         self.eos_token_ids = info.eos_token_ids
         self.connections = 0  # open /ws sockets (event-loop only)
+        self.sockets = Share(self.config.max_connections_per_client)  # per client
+        self.turns = Share(self.config.max_turns_per_client)  # per client, /ws and /v1
 
     def cache_salt(self, principal: Principal) -> str | None:
-        return principal.tenant if self.config.isolate_prefix_cache else None
+        """The principal's isolation domain: its tenant, or without keys its browser
+        lineage (a client that keeps no cookie is a domain per socket or request)."""
+        if not self.config.isolate_prefix_cache:
+            return None
+        return principal.tenant or principal.owner
 
     def _owned(self, principal: Principal, conv: Conversation, frame_id: str | None) -> None:
         if conv.owner != principal.owner:
@@ -106,7 +119,15 @@ class ChatService:
             messages = [*conv.messages, Message("user", frame.content or "")]
         if frame.system is not None and messages[0].role != "system":
             messages.insert(0, Message("system", frame.system))
-        turn = Turn(frame, conv, messages, principal, uuid.uuid4().hex)
+        if not self.turns.take(principal.share):
+            raise p.ProtocolError(
+                p.TOO_MANY_TURNS,
+                f"at most {self.turns.limit} turns in flight per client, over all its "
+                "sockets and /v1 requests: retry when one ends",
+                frame.id,
+                retryable=True,
+            )
+        turn = Turn(frame, conv, messages, principal, uuid.uuid4().hex, principal.share)
         conv.turn = turn.token
         return turn
 
@@ -148,6 +169,8 @@ class ChatService:
         conv = turn.conversation
         if conv.turn == turn.token:
             conv.turn = None
+        self.turns.release(turn.share)
+        turn.share = ""  # a second end of the same turn releases nothing
         if self.store.find(conv.tenant, conv.id) is None:
             # Deleted while the turn ran on (e.g. detached): the engine pinned the turn's
             # blocks to the session after the delete released it; let them go too.

@@ -9,6 +9,8 @@ in tests) do not share numbers.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterator
 
 from prometheus_client import (
@@ -41,10 +43,13 @@ _ITL = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 
 
 
 class Metrics:
-    """The app's metrics. Attach with `engine.listeners.append(metrics)`."""
+    """The app's metrics. Attach with `engine.listeners.append(metrics)`. With `key`
+    (--metrics-key), a scrape must bring it as `Authorization: Bearer <key>`: the figures
+    are every tenant's together, so no tenant's key opens them."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, key: str | None = None) -> None:
         self.engine = engine  # its stats() snapshot is read at scrape time
+        self._key = hashlib.sha256(key.encode()).digest() if key else None
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -100,6 +105,16 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def allows(self, authorization: str) -> bool:
+        """Whether a scrape with this Authorization header may read the metrics."""
+        if self._key is None:
+            return True
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        given = hashlib.sha256(token.strip().encode()).digest()
+        return hmac.compare_digest(given, self._key)
 
 
 class _EngineCollector(Collector):

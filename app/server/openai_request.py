@@ -16,6 +16,10 @@ from app.server.errors import APIError
 from app.server.params import PARAMS, sampling_params
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+# Entries (a token, or one of its top alternatives) that a response built in memory may
+# hold: ~80 bytes of JSON each, so ~40 MB. n=64 x 8191 tokens without logprobs fits; with
+# 20 alternatives a token the same request would be ~0.8 GiB. Streamed, no cap applies.
+MAX_RESPONSE_ENTRIES = 1 << 19
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -62,11 +66,30 @@ def request_params(
     if fmt is not None:
         extra["response_format"] = fmt
     try:
-        return sampling_params(values, max_tokens_limit, extra)
+        params = sampling_params(values, max_tokens_limit, extra)
     except BadParameter as exc:
         name = param if exc.name == "max_tokens" else exc.name
         message = str(exc).replace("max_tokens", name, 1) if name else str(exc)
         raise bad(message, name) from None
+    if body.get("stream") is not True:
+        check_response_size(params, max_tokens_limit, param)
+    return params
+
+
+def check_response_size(params: SamplingParams, max_tokens_limit: int, param: str) -> None:
+    """Refuse a response to be built whole in memory that would hold more than
+    MAX_RESPONSE_ENTRIES tokens and alternatives: n x max_tokens x (1 + top_logprobs)."""
+    tokens = max_tokens_limit if params.max_tokens is None else params.max_tokens
+    per_token = 1 + (params.logprobs or 0)
+    entries = params.n * tokens * per_token
+    if entries > MAX_RESPONSE_ENTRIES:
+        raise bad(
+            f"n x {param} x (1 + top_logprobs) = {params.n} x {tokens} x {per_token} = "
+            f"{entries} entries, more than the {MAX_RESPONSE_ENTRIES} a response may hold: "
+            f"lower n, {param} or top_logprobs, or set stream: true to read it as it comes",
+            "n",
+            "response_too_large",
+        )
 
 
 def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
+from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.server import protocol as p
 from app.server.chat_service import ChatService
-from app.server.security import CLIENT_COOKIE, Access, Principal
+from app.server.security import CLIENT_COOKIE, Principal
 from app.server.streams import TurnStream
 from app.server.turn_runner import TurnRunner
 
@@ -41,17 +43,19 @@ class ChatSocket:
         self.turns: dict[str, TurnStream] = {}  # by the client's turn id
         self._send_lock = asyncio.Lock()
         self._closed = False
+        self._active = time.monotonic()  # the last frame received, or turn ended
 
     async def run(self) -> None:
         headers = []
         if self.principal.new_client_cookie:  # a new lineage: clients that keep cookies keep it
             value = self.principal.new_client_cookie
             cookie = f"{CLIENT_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict"
+            cookie += "; Secure" if self.ws.url.scheme == "wss" else ""
             headers.append((b"set-cookie", cookie.encode()))
         await self.ws.accept(headers=headers)
         try:
             while True:
-                message = await self.ws.receive()
+                message = await self._receive()
                 if message["type"] == "websocket.disconnect":
                     break
                 raw = message.get("text")
@@ -67,6 +71,25 @@ class ChatSocket:
         finally:
             self._closed = True
             await self._detach_all()
+
+    async def _receive(self) -> Message:
+        """The next message. A socket that carries no turn and has sent nothing for the
+        idle timeout (measured from its last frame or turn) is closed with 1000: sockets
+        left open and idle must not hold their client's share."""
+        idle = self.chat.config.idle_timeout_s
+        while True:
+            left = idle if self.turns else idle - (time.monotonic() - self._active)
+            try:
+                async with asyncio.timeout(max(left, 0.0)):
+                    message = await self.ws.receive()
+            except TimeoutError:
+                if self.turns or time.monotonic() - self._active < idle:
+                    continue
+                with contextlib.suppress(Exception):
+                    await self.ws.close(1000, f"idle for {idle:g} s")
+                return {"type": "websocket.disconnect"}
+            self._active = time.monotonic()
+            return message
 
     async def send(self, text: str) -> bool:
         """Send one frame; False if the socket is gone."""
@@ -84,6 +107,7 @@ class ChatSocket:
         """A turn no longer streams here (it ended, or another socket resumed it)."""
         if self.turns.get(stream.id) is stream:
             del self.turns[stream.id]
+            self._active = time.monotonic()
 
     async def _handle(self, frame: p.Frame) -> None:
         if isinstance(frame, p.PingFrame):
@@ -146,29 +170,29 @@ TRY_AGAIN_LATER = 1013
 
 
 async def ws_endpoint(websocket: WebSocket) -> None:
-    access: Access = websocket.state.access
     chat: ChatService = websocket.state.chat
     runner: TurnRunner = websocket.state.turns
-    if not access.origin_ok(websocket.headers, websocket.url.scheme):
-        log.warning("refused a /ws handshake from origin %s", websocket.headers.get("origin"))
-        await websocket.close(POLICY_VIOLATION)  # before accept: the handshake gets a 403
-        return
     principal = websocket.user
     if not isinstance(principal, Principal):  # a key is required and none was given
         await websocket.close(POLICY_VIOLATION)
         return
     if chat.connections >= chat.config.max_connections:
-        await websocket.accept()
-        err = p.ProtocolError(
-            p.BUSY,
-            f"too many connections (at most {chat.config.max_connections}); retry shortly",
-            retryable=True,
-        )
-        await websocket.send_text(p.error_frame(err))
-        await websocket.close(TRY_AGAIN_LATER)
+        await _busy(websocket, f"too many connections (at most {chat.config.max_connections})")
+        return
+    if not chat.sockets.take(principal.share):  # this client's share (app.server.shares)
+        await _busy(websocket, f"this client has {chat.sockets.limit} connections open, its "
+                    "share (--max-connections-per-client)")  # fmt: skip
         return
     chat.connections += 1
     try:
         await ChatSocket(websocket, runner, principal).run()
     finally:
         chat.connections -= 1
+        chat.sockets.release(principal.share)
+
+
+async def _busy(websocket: WebSocket, why: str) -> None:
+    await websocket.accept()
+    err = p.ProtocolError(p.BUSY, f"{why}; retry shortly", retryable=True)
+    await websocket.send_text(p.error_frame(err))
+    await websocket.close(TRY_AGAIN_LATER)

@@ -17,6 +17,7 @@ from app.cluster.cluster import RayCluster  # noqa: E402
 from app.config import ClusterConfig  # noqa: E402
 from app.server.app import create_app  # noqa: E402
 from tests.server.test_ws_fake import text_of, until_terminal  # noqa: E402
+from tests.server.testclient import for_testclient  # noqa: E402
 from tests.tiny import tiny_parts  # noqa: E402
 
 
@@ -24,7 +25,7 @@ from tests.tiny import tiny_parts  # noqa: E402
 def cluster(tokenizer):
     config, loaded = tiny_parts(tokenizer, num_blocks=512)
     c = RayCluster(config, ClusterConfig(replicas=2, threads_per_replica=1), loaded)
-    with TestClient(create_app(engine=c)) as client:
+    with TestClient(create_app(engine=c, server_config=for_testclient())) as client:
         yield c, client
     assert not ray.is_initialized()  # stop() shut the cluster it started
 

@@ -12,6 +12,7 @@ from app.cluster.cluster import RayCluster  # noqa: E402
 from app.config import ClusterConfig, TierConfig  # noqa: E402
 from app.server.app import create_app  # noqa: E402
 from tests.server.test_ws_fake import until_terminal  # noqa: E402
+from tests.server.testclient import for_testclient  # noqa: E402
 from tests.tiny import tiny_parts  # noqa: E402
 
 HISTORY = "Tell me everything about rivers, mountains, harbors and lighthouses, in order. " * 3
@@ -34,7 +35,10 @@ def test_a_rebalanced_conversation_loads_its_kv_from_the_shared_tier(tokenizer, 
     cluster = RayCluster(
         config, ClusterConfig(replicas=2, threads_per_replica=1, rebalance_threshold=0), loaded
     )
-    with TestClient(create_app(engine=cluster)) as client, client.websocket_connect("/ws") as ws:
+    with (
+        TestClient(create_app(engine=cluster, server_config=for_testclient())) as client,
+        client.websocket_connect("/ws") as ws,
+    ):
         send(ws, "t1", "moving", HISTORY, 8)
         first = until_terminal(ws, ["t1"])["t1"]
         assert first[-1]["type"] == "done" and first[0]["tier_cached_tokens"] == 0

@@ -24,8 +24,10 @@ CHROMIUM_ARGS = [
 
 
 class LiveServer:
-    def __init__(self, app, port: int = 0) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    def __init__(self, app, port: int = 0, **options) -> None:
+        """`options` go to uvicorn.Config (e.g. ssl_certfile and ssl_keyfile: https)."""
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options)
+        self.scheme = "https" if options.get("ssl_certfile") else "http"
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -43,7 +45,7 @@ class LiveServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -52,8 +54,8 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(app, port: int = 0):
-    server = LiveServer(app, port).start()
+def live_server(app, port: int = 0, **options):
+    server = LiveServer(app, port, **options).start()
     try:
         yield server
     finally:

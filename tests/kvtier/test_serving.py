@@ -16,6 +16,7 @@ from app.server.app import create_app
 from tests.e2e.live_server import live_server
 from tests.engine.util import run
 from tests.redis_server import RedisServer, redis_or_skip
+from tests.server.testclient import for_testclient
 from tests.tiny import tiny_engine
 
 ESSAY = (Path(__file__).parent.parent / "data" / "essays.txt").read_text()[:2000]
@@ -130,7 +131,7 @@ def test_ready_and_serving_while_redis_is_unreachable(tokenizer):
     server = RedisServer()  # never started: nothing listens on its port
     tier = TierConfig("redis", server.url, timeout_s=0.2, min_load_speedup=0)
     engine = AsyncEngine(tiny_engine(tokenizer, tier=tier))
-    with TestClient(create_app(engine=engine)) as client:
+    with TestClient(create_app(engine=engine, server_config=for_testclient())) as client:
         assert client.get("/ready").status_code == 200
         r = client.post("/v1/completions", json={"prompt": "Hello there, " * 20,
                                                  "max_tokens": 5, "ignore_eos": True})  # fmt: skip

@@ -19,6 +19,7 @@ from app.server.journal_records import TurnRecord
 from tests.redis_server import RedisServer, free_port
 from tests.server.test_streams import first_tokens, resume, tokens, wait_for
 from tests.server.test_ws_fake import text_of, until_terminal
+from tests.server.testclient import for_testclient
 
 PARAMS = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
 
@@ -47,7 +48,9 @@ def app(smollm, url, consumer="a", model=DEFAULT, **journal):
     # One cookie secret for every app: a browser stays the same client across a restart.
     journal_config = JournalConfig(url, consumer=consumer, **journal)
     config = ServerConfig(journal=journal_config, secret=b"k" * 32)
-    return TestClient(create_app(engine=engine(smollm, model), server_config=config))
+    return TestClient(
+        create_app(engine=engine(smollm, model), server_config=for_testclient(config))
+    )
 
 
 def ask(id, conversation="c1", text="Tell me a story about a lighthouse.", **params):
@@ -58,7 +61,9 @@ def ask(id, conversation="c1", text="Tell me a story about a lighthouse.", **par
 
 def uninterrupted(smollm, frame, model=DEFAULT):
     """The reply the turn gets from a server that never stops (no journal)."""
-    with TestClient(create_app(engine=engine(smollm, model))) as client:
+    with TestClient(
+        create_app(engine=engine(smollm, model), server_config=for_testclient())
+    ) as client:
         client.get("/")
         with client.websocket_connect("/ws") as ws:
             ws.send_json(frame)

@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 from app.server.app import create_app
 from app.server.markdown import ALLOWED, SAFE_SCHEMES, MarkdownRenderer
 from tests.server.fake_engine import FakeEngine
+from tests.server.testclient import for_testclient
 
 md = MarkdownRenderer()
 
@@ -130,7 +131,7 @@ def test_random_text_renders_only_allowed_markup(text):
 
 @pytest.fixture
 def client(tokenizer):
-    with TestClient(create_app(engine=FakeEngine(tokenizer))) as c:
+    with TestClient(create_app(server_config=for_testclient(), engine=FakeEngine(tokenizer))) as c:
         yield c
 
 

@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 from app.server.app import create_app
 from app.server.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from tests.server.fake_engine import FakeEngine
+from tests.server.testclient import for_testclient
 
 ASK = [{"role": "user", "content": "hi"}]
 
@@ -23,7 +24,7 @@ def fake(tokenizer):
 
 @pytest.fixture
 def client(fake):
-    with TestClient(create_app(engine=fake)) as c:
+    with TestClient(create_app(engine=fake, server_config=for_testclient())) as c:
         yield c
 
 
@@ -165,7 +166,7 @@ def tool_client(tokenizer):
     tok.chat_template = TOOLS_TEMPLATE
     reply = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     fake = FakeEngine(tok, reply=reply)
-    with TestClient(create_app(engine=fake)) as c:
+    with TestClient(create_app(engine=fake, server_config=for_testclient())) as c:
         c.fake = fake
         yield c
 

@@ -17,6 +17,7 @@ from app.server.security import Principal, parse_keys_file
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_ws_fake import text_of, until_terminal
 from tests.server.test_ws_real import Recording
+from tests.server.testclient import for_testclient
 
 SECRET = "My secret code is 4242. Remember it."
 
@@ -29,7 +30,7 @@ def content(id, conversation, text):
 def test_another_client_can_neither_read_nor_hijack_nor_delete(smollm):
     engine = Recording(LLMEngine(EngineConfig(cache=CacheConfig(64 << 20)), smollm))
     # Two clients that keep no cookies: each socket is a client of its own.
-    with TestClient(create_app(engine=engine)) as client:
+    with TestClient(create_app(engine=engine, server_config=for_testclient())) as client:
         client.cookies.clear()
         with client.websocket_connect("/ws") as a, client.websocket_connect("/ws") as m:
             a.send_json(content("t1", "victim-conv", SECRET))
@@ -99,7 +100,7 @@ def test_two_tenants_with_the_same_conversation_id_do_not_meet(tokenizer, isolat
     keys = {name: hashlib.sha256(f"{name}-key".encode()).digest() for name in ("acme", "globex")}
     fake = FakeEngine(tokenizer, reply="fine thanks")
     config = ServerConfig(api_keys=keys, chat=ChatConfig(isolate_prefix_cache=isolate))
-    with TestClient(create_app(engine=fake, server_config=config)) as client:
+    with TestClient(create_app(engine=fake, server_config=for_testclient(config))) as client:
         requests = {}
         for tenant, history in (("acme", "Acme's first words"), ("globex", "Globex here")):
             auth = {"Authorization": f"Bearer {tenant}-key"}

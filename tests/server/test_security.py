@@ -3,6 +3,7 @@ connection limit. A live server on 127.0.0.1 (fake engine) and real clients."""
 
 import asyncio
 import json
+import re
 import uuid
 
 import httpx
@@ -32,6 +33,17 @@ async def chat_once(url, **connect):
                 return frame
 
 
+def log_in(url: str, key: str, client: httpx.Client | None = None) -> httpx.Response:
+    """What a browser does: load the page (the form and its token), then post the form."""
+    if client is None:
+        with httpx.Client(follow_redirects=True) as client:
+            return log_in(url, key, client)
+    page = client.get(url + "/")
+    token = re.search(r'name="csrf" value="([^"]+)"', page.text)
+    assert token, "the login form carries a token"
+    return client.post(url + "/login", data={"key": key, "csrf": token.group(1)})
+
+
 @pytest.fixture
 def keyed(tokenizer):
     app = create_app(engine=FakeEngine(tokenizer), server_config=ServerConfig(api_key=KEY))
@@ -57,8 +69,8 @@ def test_ws_needs_the_key_and_the_page_hands_out_a_cookie(keyed):
 
     page = httpx.get(keyed.url + "/")
     assert page.status_code == 200 and 'action="/login"' in page.text
-    assert httpx.post(keyed.url + "/login", data={"key": "nope"}).status_code == 401
-    ok = httpx.post(keyed.url + "/login", data={"key": KEY})
+    assert log_in(keyed.url, "nope").status_code == 401
+    ok = log_in(keyed.url, KEY, httpx.Client())  # not following the redirect
     assert ok.status_code == 303
     cookie = ok.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie and KEY not in cookie

@@ -12,6 +12,7 @@ from app.server.app import ServerConfig, create_app
 from app.server.streams import StreamsConfig
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_ws_fake import chat, text_of, until_terminal
+from tests.server.testclient import for_testclient
 from tests.tiny import tiny_engine
 
 WORDS = " ".join(f"w{i}" for i in range(40))
@@ -24,7 +25,7 @@ def fake(tokenizer):
 
 def app_client(fake, **streams):
     config = ServerConfig(streams=StreamsConfig(**streams))
-    client = TestClient(create_app(engine=fake, server_config=config))
+    client = TestClient(create_app(engine=fake, server_config=for_testclient(config)))
     return client
 
 
@@ -239,7 +240,10 @@ def test_a_new_turn_supersedes_the_one_its_client_left_behind(client, fake):
 
 def test_a_cancel_that_comes_before_the_engine_has_the_request_still_stops_it(tokenizer):
     engine = AsyncEngine(tiny_engine(tokenizer))
-    with TestClient(create_app(engine=engine)) as client, client.websocket_connect("/ws") as ws:
+    with (
+        TestClient(create_app(engine=engine, server_config=for_testclient())) as client,
+        client.websocket_connect("/ws") as ws,
+    ):
         params = {"max_tokens": 1000, "ignore_eos": True}
         long = "word " * 2000  # rendered on a worker thread: the cancel comes meanwhile
         ws.send_json(chat("t1", content=long, params=params))
@@ -251,7 +255,7 @@ def test_a_cancel_that_comes_before_the_engine_has_the_request_still_stops_it(to
 
 def test_deleting_a_conversation_whose_turn_runs_detached_leaves_no_block(tokenizer):
     engine = AsyncEngine(tiny_engine(tokenizer))
-    with TestClient(create_app(engine=engine)) as client:
+    with TestClient(create_app(engine=engine, server_config=for_testclient())) as client:
         client.get("/")
         params = {"max_tokens": 1000, "ignore_eos": True}
         with client.websocket_connect("/ws") as ws:

@@ -11,6 +11,7 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.engine import LLMEngine
 from app.server.app import create_app
 from app.server.tracing import RequestTracer
+from tests.server.testclient import for_testclient
 
 sdk = pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
@@ -24,7 +25,9 @@ def test_a_request_becomes_a_span_tree(smollm):
     provider = sdk.TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     engine = AsyncEngine(LLMEngine(EngineConfig(cache=CacheConfig(64 << 20)), smollm))
-    app = create_app(engine=engine, listeners=[RequestTracer(provider)])
+    app = create_app(
+        engine=engine, server_config=for_testclient(), listeners=[RequestTracer(provider)]
+    )
     with TestClient(app) as client:
         r = client.post(
             "/v1/chat/completions",
@@ -46,7 +49,9 @@ def test_a_request_becomes_a_span_tree(smollm):
 def test_tracing_is_off_and_not_imported_by_default(tokenizer):
     from tests.server.fake_engine import FakeEngine
 
-    with TestClient(create_app(engine=FakeEngine(tokenizer))) as client:
+    with TestClient(
+        create_app(engine=FakeEngine(tokenizer), server_config=for_testclient())
+    ) as client:
         assert client.get("/health").status_code == 200
     # Only this test module imported the SDK; the app itself did not need the exporter.
     assert "opentelemetry.exporter.otlp.proto.http.trace_exporter" not in sys.modules
@@ -75,7 +80,9 @@ def test_spans_reach_an_otlp_endpoint(smollm):
 
         endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
         engine = AsyncEngine(LLMEngine(EngineConfig(cache=CacheConfig(64 << 20)), smollm))
-        app = create_app(engine=engine, server_config=ServerConfig(otlp_endpoint=endpoint))
+        app = create_app(
+            engine=engine, server_config=for_testclient(ServerConfig(otlp_endpoint=endpoint))
+        )
         with TestClient(app) as client:
             r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
             assert r.status_code == 200

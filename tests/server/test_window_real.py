@@ -16,6 +16,7 @@ from app.server.app import create_app
 from tests.e2e.live_server import live_server
 from tests.server.test_ws_fake import text_of, until_terminal
 from tests.server.test_ws_real import Recording
+from tests.server.testclient import for_testclient
 
 WINDOW = 256
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
@@ -51,10 +52,17 @@ def say(ws, id, conversation, messages, max_tokens=40, **extra):
     return until_terminal(ws, [id])[id]
 
 
+def served(engine) -> TestClient:
+    return TestClient(create_app(server_config=for_testclient(), engine=engine))
+
+
 def test_a_conversation_past_the_window_drops_old_turns_consistently(engine):
     messages = [SYSTEM]
     turns = []  # (dropped, cached_tokens, prompt + completion tokens) per turn
-    with TestClient(create_app(engine=engine)) as client, client.websocket_connect("/ws") as ws:
+    with (
+        TestClient(create_app(server_config=for_testclient(), engine=engine)) as client,
+        client.websocket_connect("/ws") as ws,
+    ):
         for i, question in enumerate(QUESTIONS):
             messages.append({"role": "user", "content": question})
             frames = say(ws, f"t{i}", "long", messages)
@@ -89,7 +97,10 @@ def test_disabled_truncation_keeps_the_error_on_ws(engine):
     for q in QUESTIONS:
         messages += [{"role": "user", "content": q * 3}, {"role": "assistant", "content": q * 3}]
     messages.append({"role": "user", "content": "And?"})
-    with TestClient(create_app(engine=engine)) as client, client.websocket_connect("/ws") as ws:
+    with (
+        TestClient(create_app(server_config=for_testclient(), engine=engine)) as client,
+        client.websocket_connect("/ws") as ws,
+    ):
         frames = say(ws, "x", "c", messages, truncation="disabled")
         assert frames[-1]["type"] == "error"
         assert frames[-1]["code"] == "context_length_exceeded"
@@ -100,7 +111,10 @@ def test_disabled_truncation_keeps_the_error_on_ws(engine):
 
 def test_continue_goes_on_as_if_the_reply_had_not_stopped(engine):
     ask = [SYSTEM, {"role": "user", "content": "Count from one to twenty in words."}]
-    with TestClient(create_app(engine=engine)) as client, client.websocket_connect("/ws") as ws:
+    with (
+        TestClient(create_app(server_config=for_testclient(), engine=engine)) as client,
+        client.websocket_connect("/ws") as ws,
+    ):
         whole = text_of(say(ws, "w", "whole", ask, max_tokens=30))
         cut_frames = say(ws, "c", "cut", ask, max_tokens=12)
         assert cut_frames[-1]["finish_reason"] == "length"

@@ -8,6 +8,7 @@ from starlette.testclient import TestClient
 from app.server.app import ServerConfig, create_app
 from app.server.streams import StreamsConfig
 from tests.server.fake_engine import FakeEngine
+from tests.server.testclient import for_testclient
 
 
 @pytest.fixture
@@ -17,7 +18,7 @@ def fake(tokenizer):
 
 @pytest.fixture
 def client(fake):
-    with TestClient(create_app(engine=fake)) as c:
+    with TestClient(create_app(engine=fake, server_config=for_testclient())) as c:
         yield c
 
 
@@ -108,7 +109,7 @@ def test_without_a_grace_period_closing_the_socket_aborts_its_turns(fake):
     fake.reply = " ".join(f"w{i}" for i in range(500))
     fake.delay = 0.01
     config = ServerConfig(streams=StreamsConfig(grace_s=0))
-    with TestClient(create_app(engine=fake, server_config=config)) as client:
+    with TestClient(create_app(engine=fake, server_config=for_testclient(config))) as client:
         with client.websocket_connect("/ws") as ws:
             ws.send_json(chat("a", "c1"))
             ws.send_json(chat("b", "c2"))

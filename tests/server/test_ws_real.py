@@ -15,6 +15,7 @@ from app.model.build import choose_format
 from app.server.app import create_app
 from tests.engine.util import all_free, run
 from tests.server.test_ws_fake import until_terminal
+from tests.server.testclient import for_testclient
 
 
 class Recording(AsyncEngine):
@@ -32,7 +33,7 @@ class Recording(AsyncEngine):
 
 def make(smollm, kv_bytes=128 << 20):
     engine = Recording(LLMEngine(EngineConfig(cache=CacheConfig(kv_bytes)), smollm))
-    return engine, TestClient(create_app(engine=engine))
+    return engine, TestClient(create_app(engine=engine, server_config=for_testclient()))
 
 
 @pytest.fixture(scope="module")

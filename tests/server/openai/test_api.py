@@ -16,6 +16,7 @@ from tests.e2e.live_server import live_server
 from tests.engine.util import all_free
 from tests.server.fake_engine import FakeEngine
 from tests.server.openai.util import MODEL, ask
+from tests.server.testclient import for_testclient
 
 GREEDY = {"temperature": 0, "max_tokens": 16}
 
@@ -198,7 +199,7 @@ def test_disconnect_before_a_non_streaming_answer_aborts(server):
 
 def test_health_ready_and_503_without_an_engine(tokenizer):
     fake = FakeEngine(tokenizer)
-    with TestClient(create_app(engine=fake)) as c:
+    with TestClient(create_app(engine=fake, server_config=for_testclient())) as c:
         assert c.get("/health").json() == {"status": "ok"}
         assert c.get("/ready").status_code == 200
         fake.running = False
