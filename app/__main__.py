@@ -478,6 +478,9 @@ class ReadyServer:
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets)
                 if not self.should_exit:
+                    from app.engine.async_engine import settle_heap
+
+                    settle_heap()  # the model is loaded: this process is the server's
                     print(f"Parley is ready: open {url} in a browser", file=sys.stderr, flush=True)
 
         return _Server(config)

@@ -11,7 +11,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 
 from app.config import EngineConfig
-from app.engine.async_engine import AsyncEngine
+from app.engine.async_engine import AsyncEngine, settle_heap
 from app.engine.outputs import EngineStats, FinishedRequestStats, ModelInfo, RequestOutput
 from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
@@ -25,6 +25,7 @@ class Replica:
         self._finished: dict[str, FinishedRequestStats] = {}
         self.engine.add_listener(self)
         self.engine.start()
+        settle_heap()  # the actor's process is this replica's alone, as the server's is
 
     # EngineListener, on the engine's thread: keep each request's final stats for its stream.
     def on_tokens(self, request_id: str, num_tokens: int, gap_s: float | None) -> None:
