@@ -98,10 +98,17 @@ async def one_stream(client, model: str, tokens: int) -> float:
     return decode_rate(s)
 
 
-async def measure(base: str, model: str, tokens: int) -> dict[str, float]:
+def client_for(base: str):
+    """An OpenAI client with a connection a request: llama-server (cpp-httplib) closes a
+    kept-alive connection after a few requests, and a request sent on it then fails."""
     from openai import AsyncOpenAI
 
-    async with AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600) as client:
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600)
+    return AsyncOpenAI(base_url=base, api_key="none", max_retries=0, http_client=http)
+
+
+async def measure(base: str, model: str, tokens: int) -> dict[str, float]:
+    async with client_for(base) as client:
         model = (await client.models.list()).data[0].id
         await one_stream(client, model, 8)  # warm
         out = {"1": await one_stream(client, model, tokens)}
@@ -113,10 +120,8 @@ async def measure(base: str, model: str, tokens: int) -> dict[str, float]:
 async def recovery(base: str, model: str, quiet: float, tokens: int, limit_s: float) -> float:
     """Seconds from now until one stream decodes at >= 0.95x `quiet` (short streams back
     to back); nan if not within limit_s."""
-    from openai import AsyncOpenAI
-
     started = time.monotonic()
-    async with AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600) as client:
+    async with client_for(base) as client:
         model = (await client.models.list()).data[0].id
         while time.monotonic() - started < limit_s:
             s, _ = await stream_chat(client, model, [{"role": "user", "content": "Hi."}], tokens)
