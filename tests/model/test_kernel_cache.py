@@ -41,7 +41,7 @@ LOAD = textwrap.dedent(
     from app.model import kernels
     why = kernels.load(Path(sys.argv[1]))
     assert why is None, why
-    print(kernels.build_key(kernels.SOURCE.read_bytes()))
+    print(kernels.sources_key())
     """
 )
 

@@ -80,6 +80,11 @@ def build_key(code: bytes, march: str = "native") -> str:
     return h.hexdigest()[:16]
 
 
+def sources_key(march: str = "native") -> str:
+    """The build key of the kernels' sources as they are on disk."""
+    return build_key(b"".join(src.read_bytes() for src in SOURCES), march)
+
+
 def load(cache_dir: Path, march: str = "native") -> str | None:
     """Compile (once) and load the kernels; None when they are loaded, else why not.
 
