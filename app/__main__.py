@@ -149,6 +149,14 @@ FLAGS: list[tuple[str, dict]] = [
             help="seconds a server may be silent before another takes over its turns",
         ),
     ),
+    (
+        "--journal-timeout",
+        dict(
+            type=float,
+            default=2.0,
+            help="seconds one journal call may take (keep it under half of --journal-claim-after)",
+        ),
+    ),
     ("--api-key", dict(help="require this key on /v1 (Bearer) and for the page")),
     (
         "--api-keys-file",
@@ -363,6 +371,7 @@ def server_config(args: argparse.Namespace):
             # The same name after a restart: the server takes its own turns back at once.
             consumer=args.journal_consumer or f"{socket.gethostname()}:{args.port}",
             claim_after_s=args.journal_claim_after,
+            timeout_s=args.journal_timeout,
         )
     return ServerConfig(
         host=args.host,

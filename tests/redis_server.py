@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -43,10 +44,15 @@ class RedisServer:
     its data persists there (append-only file) across a stop and a start."""
 
     def __init__(
-        self, folder: Path | None = None, port: int | None = None, password: str | None = None
+        self,
+        folder: Path | None = None,
+        port: int | None = None,
+        password: str | None = None,
+        extra_args: tuple[str, ...] = (),  # e.g. ("--appendfsync", "always")
     ) -> None:
         self.port = port or free_port()
         self.password = password
+        self.extra_args = extra_args
         self.persistent = folder is not None
         self.dir = Path(folder or tempfile.mkdtemp(prefix="parley-redis-"))
         self.proc: subprocess.Popen | None = None
@@ -63,6 +69,7 @@ class RedisServer:
         args += ["--appendonly", "yes" if self.persistent else "no", "--dir", str(self.dir)]
         if self.password:
             args += ["--requirepass", self.password]
+        args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
@@ -78,9 +85,20 @@ class RedisServer:
                 raise RuntimeError(f"redis-server did not start on port {self.port}")
             time.sleep(0.02)
 
+    def pause(self) -> None:
+        """SIGSTOP: it keeps its sockets and reads nothing (a stalled Redis: a long fork, a
+        swapped-out host) until resume(); commands sent meanwhile run then."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """Kill it (SIGKILL: as abrupt as a crash) and wait until it is gone."""
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused one, too
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None

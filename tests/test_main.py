@@ -61,9 +61,10 @@ def test_resume_and_journal_flags(monkeypatch):
     assert config.streams.grace_s == 5.0
     assert config.journal.url == "redis://127.0.0.1:6379/0" and not config.journal.required
     assert config.journal.consumer.endswith(":8123")
-    args = build_parser().parse_args(["--journal-required", "--journal-consumer", "blue"])
+    args = build_parser().parse_args(["--journal-required", "--journal-consumer", "blue",
+                                      "--journal-timeout", "0.5"])  # fmt: skip
     journal = server_config(args).journal
-    assert journal.required and journal.consumer == "blue"
+    assert journal.required and journal.consumer == "blue" and journal.timeout_s == 0.5
 
 
 def test_kv_tier_flags(monkeypatch):

@@ -183,6 +183,11 @@ class AsyncEngine:
         large = len(prompt) > (
             INLINE_PROMPT_CHARS if isinstance(prompt, str) else INLINE_PROMPT_IDS
         )
+        if params is not None and params.response_format is not None:
+            # Compiled on the grammar worker, off this loop, under its caps (structured.py);
+            # its matcher (ms for a large grammar) is made off the loop too.
+            await self.engine.grammars.prepare(params.response_format)
+            large = True
         if large:
             return await asyncio.to_thread(self.engine.make_request, *args)
         return self.engine.make_request(*args)

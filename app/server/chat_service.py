@@ -1,7 +1,8 @@
 """Conversations and their turns: between the /ws protocol and the engine.
 
 A turn checks that its conversation belongs to whoever asks, resolves the history (the
-client's `messages`, or what we remember plus the new `content`), builds the prompt with
+client's `messages`, or what we remember plus the new `content`; `content` for a
+conversation we do not hold is refused, `unknown_conversation`), builds the prompt with
 the conversation's own reply ids spliced in and, when it ends, remembers the reply for the
 next turn.
 """
@@ -25,9 +26,18 @@ from app.server.shares import Share
 
 log = logging.getLogger("parley.chat")
 
-# Histories longer than this are rendered and tokenized on a worker thread, not on the
-# event loop where every other socket's tokens are sent.
+# Histories longer than this (in characters, or in messages: each costs the template its
+# own work) are rendered and tokenized on a worker thread, not on the event loop where
+# every other socket's tokens are sent.
 INLINE_RENDER_CHARS = 8192
+INLINE_RENDER_MESSAGES = 64
+
+
+def renders_inline(messages: list[Message]) -> bool:
+    """Whether a history is small enough to render on the event loop."""
+    if len(messages) > INLINE_RENDER_MESSAGES:
+        return False
+    return sum(len(m.content) for m in messages) <= INLINE_RENDER_CHARS
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class Turn:
     principal: Principal
     token: str  # unique to this turn: only it can clear its conversation's busy mark
     share: str = ""  # the client's turn share it holds until it ends ("": none)
+    recovered: bool = False  # taken from the journal: it may answer an older history
     window: Window | None = None  # what the model sees of `messages` (set by prompt_ids)
 
     @property
@@ -105,6 +116,16 @@ class ChatService:
         conv = self.store.find(principal.tenant, frame.conversation_id)
         if conv is not None:
             self._owned(principal, conv, frame.id)
+        elif frame.messages is None:
+            # Its history is not here (a restart without a journal, or the store let it
+            # go): a reply to the new message alone would silently drop it.
+            raise p.ProtocolError(
+                p.UNKNOWN_CONVERSATION,
+                f"conversation {frame.conversation_id!r} is not held by this server (it "
+                "restarted, or let the conversation go): send the whole history with "
+                "'messages'",
+                frame.id,
+            )
         conv = self.store.get(principal.tenant, frame.conversation_id, principal.owner)
         if conv.turn is not None:
             raise p.ProtocolError(
@@ -136,7 +157,7 @@ class ChatService:
         `frame.messages`, already resolved; the conversation is marked busy with it."""
         conv = self.store.get(principal.tenant, frame.conversation_id, principal.owner)
         messages = list(frame.messages or [])
-        turn = Turn(frame, conv, messages, principal, uuid.uuid4().hex)
+        turn = Turn(frame, conv, messages, principal, uuid.uuid4().hex, recovered=True)
         conv.turn = turn.token
         return turn
 
@@ -159,8 +180,7 @@ class ChatService:
             except HistoryTooLong as exc:
                 raise ContextTooLong(str(exc), exc.num_tokens, exc.window) from None
 
-        size = sum(len(m.content) for m in turn.messages)
-        turn.window = await asyncio.to_thread(build) if size > INLINE_RENDER_CHARS else build()
+        turn.window = build() if renders_inline(turn.messages) else await asyncio.to_thread(build)
         return turn.window.prompt_ids
 
     def end_turn(self, turn: Turn, text: str | None, reply_ids: list[int] | None) -> None:
@@ -177,6 +197,12 @@ class ChatService:
             self.engine.release_session(conv.key)
             return
         if text is None:
+            return
+        if turn.recovered and turn.messages[: len(conv.messages)] != conv.messages:
+            # The conversation moved on past the history this turn answers (it ran here
+            # unjournaled meanwhile, say): its reply must not take the conversation back.
+            log.warning("a turn of conversation %s taken from the journal answered an older "
+                        "history; its reply is not kept", conv.id)  # fmt: skip
             return
         ids = list(reply_ids or [])
         history = turn.messages
@@ -196,6 +222,14 @@ class ChatService:
             ids.pop()  # the template writes the end of turn itself
         if self.prompt.tokenizer.decode(ids, skip_special_tokens=True) == text:
             conv.remember_reply(text, ids)
+
+    def forget(self, turn: Turn) -> None:
+        """Another server took this conversation's turn over (this one stalled): the
+        history here is stale now, and is forgotten (a `content` gets
+        unknown_conversation; the client sends its history again)."""
+        conv = turn.conversation
+        if self.store.find(conv.tenant, conv.id) is conv:
+            self.store.delete(conv)
 
     def delete(self, principal: Principal, conversation_id: str) -> None:
         """Forget a conversation and free its pinned K/V. Raises ProtocolError when it

@@ -6,7 +6,12 @@ per token frame sent, `{"s": seq, "t": text, "i": [token ids since the last item
 first with `"start": [prompt_tokens, cached_tokens, tier_cached_tokens]`), then its end,
 `{"end": terminal frame, "ok": bool, "i": [...]}`. A record is named by its conversation
 and turn id, so a resume after a restart can find a finished turn's record without the
-stream entry.
+stream entry. The header also carries the nonce of the accept that wrote it (`n`), so an
+accept whose answer was lost can be told from a later one of the same turn id.
+
+Anything may be in Redis under these names (another program's keys, a half-written record,
+a later version's): read_record checks every field's type and raises BadRecord, a
+ValueError, for anything it cannot take as a turn.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 
-from app.chat.prompt import Message
+from app.chat.prompt import ROLES, Message
 from app.engine.request import ResponseFormat, SamplingParams
 
 VERSION = 1
@@ -34,11 +39,13 @@ class TurnRecord:
     cache: bool
     cache_salt: str | None
     prompt_ids: list[int]
+    nonce: str = ""  # of the accept that wrote it (read back; written by to_json(nonce))
 
-    def to_json(self) -> str:
+    def to_json(self, nonce: str = "") -> str:
         return json.dumps(
             {
                 "v": VERSION,
+                "n": nonce,
                 "tenant": self.tenant,
                 "owner": self.owner,
                 "conversation_id": self.conversation_id,
@@ -55,18 +62,32 @@ class TurnRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> TurnRecord:
-        d = json.loads(text)
+        """Raises BadRecord when `text` is not a header this version can take."""
+        d = _object(_json(text), "the header")
+        messages = _list(d, "messages")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ROLES + ("tool",):
+                raise BadRecord("a message is not {role, content}")
+        try:
+            params = _params(_object(d.get("params"), "params"))
+        except (ValueError, TypeError) as exc:  # BadParameter is a ValueError
+            raise BadRecord(f"params: {exc}") from None
         return cls(
-            tenant=d["tenant"],
-            owner=d["owner"],
-            conversation_id=d["conversation_id"],
-            turn_id=d["turn_id"],
-            messages=[Message(m["role"], m["content"]) for m in d["messages"]],
-            params=_params(d["params"]),
-            cache=d["cache"],
-            cache_salt=d["cache_salt"],
-            prompt_ids=list(d["prompt"]),
+            tenant=_str(d, "tenant"),
+            owner=_str(d, "owner"),
+            conversation_id=_str(d, "conversation_id"),
+            turn_id=_str(d, "turn_id"),
+            messages=[Message(m["role"], _str(m, "content")) for m in messages],
+            params=params,
+            cache=_bool(d, "cache"),
+            cache_salt=None if d.get("cache_salt") is None else _str(d, "cache_salt"),
+            prompt_ids=_ids(d, "prompt"),
+            nonce=d["n"] if isinstance(d.get("n"), str) else "",
         )
+
+
+class BadRecord(ValueError):
+    """A record (or a part of one) that is not a turn of ours."""
 
 
 @dataclass
@@ -76,6 +97,11 @@ class JournalEntry:
     entry_id: str
     record_key: str
     durable: bool = True  # False once a write was lost: the turn is not resumed later
+    lost: bool = False  # another process took it over (this one stalled): it stops here
+    items: int = 1  # the record's length as this process wrote it (the header: 1)
+    nonce: str = ""  # of the accept that added it
+    abandoned: bool = False  # not durable, and to be acknowledged once Redis answers
+    released: bool = False  # a write failed: stopped here, taken up again from its record
 
 
 @dataclass(frozen=True)
@@ -98,8 +124,8 @@ def record_key(namespace: str, conversation_key: str, turn_id: str) -> str:
 
 
 def read_record(entry: JournalEntry, items: list[bytes]) -> RecoveredTurn:
-    """A turn from its record's items. Raises ValueError, KeyError or TypeError when the
-    record is not one of ours."""
+    """A turn from its record's items. Raises BadRecord when the record is not one of ours
+    or not whole."""
     record = TurnRecord.from_json(items[0])
     texts: list[str] = []
     ids: list[int] = []
@@ -107,17 +133,57 @@ def read_record(entry: JournalEntry, items: list[bytes]) -> RecoveredTurn:
     end = None
     ok = False
     for raw in items[1:]:
-        item = json.loads(raw)
-        ids += item.get("i", [])
+        item = _object(_json(raw), "a frame")
+        ids += _ids(item, "i") if "i" in item else []
         if "end" in item:
-            end, ok = item["end"], bool(item["ok"])
+            if item["end"] is not None and not isinstance(item["end"], str):
+                raise BadRecord("the end is not a frame")
+            end, ok = item["end"], _bool(item, "ok")
             break
         if "start" in item and start is None:
-            start = tuple(int(n) for n in item["start"][:3])
-        if item["s"] != len(texts):
-            raise ValueError(f"frame {item['s']} recorded out of order")
-        texts.append(item["t"])
+            start = tuple(_ids(item, "start")[:3])
+        if item.get("s") != len(texts) or isinstance(item.get("s"), bool):
+            raise BadRecord(f"frame {item.get('s')!r} recorded out of order")
+        texts.append(_str(item, "t"))
     return RecoveredTurn(entry, record, texts, ids, start, end, ok)
+
+
+def _json(raw: str | bytes):
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadRecord(f"not JSON: {exc}") from None
+
+
+def _object(value, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise BadRecord(f"{what} is not an object")
+    return value
+
+
+def _str(d: dict, key: str) -> str:
+    if not isinstance(d.get(key), str):
+        raise BadRecord(f"{key!r} is not a string")
+    return d[key]
+
+
+def _bool(d: dict, key: str) -> bool:
+    if not isinstance(d.get(key), bool):
+        raise BadRecord(f"{key!r} is not true or false")
+    return d[key]
+
+
+def _list(d: dict, key: str) -> list:
+    if not isinstance(d.get(key), list):
+        raise BadRecord(f"{key!r} is not a list")
+    return d[key]
+
+
+def _ids(d: dict, key: str) -> list[int]:
+    ids = _list(d, key)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
+        raise BadRecord(f"{key!r} holds something other than token ids")
+    return ids
 
 
 def _params(values: dict) -> SamplingParams:

@@ -303,6 +303,17 @@ class ResumeCollector(Collector):
             "Turns taken over from the journal (a restart, or a silent process).",
             j.recovered,
         )
+        for name, text, value in (
+            ("skipped_entries", "Stream entries not ours, skipped on the way to our own.",
+             j.skipped),
+            ("dropped_entries", "Journal entries dropped: no record, or one not ours or not "
+             "whole.", j.dropped),
+            ("taken_over_turns", "Turns another server took over while this one stalled.",
+             j.taken_over),
+            ("settled_accepts", "Accepts that timed out yet had happened, cleared up.",
+             j.settled),
+        ):  # fmt: skip
+            yield CounterMetricFamily(P + "journal_" + name, text, value)
 
 
 TIER_ERRORS = ("unreachable", "checksum", "truncated", "foreign", "format", "load", "store")

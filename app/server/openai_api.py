@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -32,6 +31,8 @@ from app.chat.window import HistoryTooLong, Window, fit, reply_room
 from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
 from app.engine.request import SamplingParams
+from app.server import json_input
+from app.server.chat_service import renders_inline
 from app.server.errors import ENGINE_ERRORS, APIError, api_error
 from app.server.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from app.server.openai_request import bad, chat_messages, request_params, tool_use
@@ -39,9 +40,9 @@ from app.server.openai_response import Responder, Shape, TokenTexts
 from app.server.security import Principal
 
 MAX_BODY_BYTES = 4 << 20
-INLINE_RENDER_CHARS = 8192  # longer chats are rendered and tokenized off the event loop
 # With "truncation": "auto", how many messages of the history the model did not see.
 TRUNCATED_HEADER = "x-parley-truncated-messages"
+INLINE_PARSE_BYTES = 256 << 10  # larger bodies are parsed off the event loop (~10 ms a MiB)
 
 
 # -- the API -------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ class OpenAIAPI:
                                code="context_length_exceeded") from None  # fmt: skip
 
         window = self.max_tokens_limit + 1
-        if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:
+        if not renders_inline(messages):
             kept = await asyncio.to_thread(build)
         else:
             kept = build()
@@ -128,13 +129,14 @@ class OpenAIAPI:
         return await self._complete(request, body, prompt_ids, params, shape)
 
     async def _body(self, request: Request, fields) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        raw = await _read_body(request)
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise bad("the body is not valid JSON") from None
+            if len(raw) > INLINE_PARSE_BYTES:
+                body = await asyncio.to_thread(json_input.loads, raw)
+            else:
+                body = json_input.loads(raw)
+        except json_input.BadJSON as exc:
+            raise bad(f"the body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise bad("the body must be a JSON object")
         check_fields(body, fields)
@@ -192,6 +194,22 @@ class OpenAIAPI:
         # while its prompt is computed, and (non-streaming) until the whole reply is ready.
         # A streaming response, once started, stops at its next send to a closed socket.
         return await _until_disconnected(request, respond(), outputs)
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, up to MAX_BODY_BYTES: refused by its declared length before a byte is
+    read, and otherwise as soon as more came in (a client may send gigabytes, chunked)."""
+    too_large = APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def routes() -> list[Route]:

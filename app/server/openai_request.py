@@ -14,6 +14,7 @@ from app.engine.errors import BadParameter
 from app.engine.request import ResponseFormat, SamplingParams
 from app.server.errors import APIError
 from app.server.params import PARAMS, sampling_params
+from app.server.protocol import MAX_MESSAGES
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 # Entries (a token, or one of its top alternatives) that a response built in memory may
@@ -202,6 +203,8 @@ def chat_messages(body: dict[str, Any], tools_allowed: bool) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad(f"at most {MAX_MESSAGES} messages", "messages")
     roles = ("system", "user", "assistant", "tool") if tools_allowed else ("system", "user",
                                                                           "assistant")  # fmt: skip
     out = []

@@ -40,6 +40,7 @@ from typing import Any
 from app.chat.prompt import ROLES, Message
 from app.engine.errors import BadParameter
 from app.engine.request import SamplingParams
+from app.server import json_input
 from app.server.params import PARAMS, sampling_params
 
 MAX_FRAME_BYTES = 1 << 20
@@ -53,6 +54,7 @@ TOO_LARGE = "too_large"  # frame over MAX_FRAME_BYTES
 TOO_LONG = "context_length_exceeded"  # conversation over the context window
 DUPLICATE_ID = "duplicate_id"
 UNKNOWN_ID = "unknown_id"  # cancel or resume of an id that is not in flight
+UNKNOWN_CONVERSATION = "unknown_conversation"  # `content` for a conversation not held here
 EXPIRED = "expired"  # resume of a turn whose grace period or replay buffer ran out
 CONVERSATION_BUSY = "conversation_busy"  # a turn of that conversation is in flight
 TOO_MANY_TURNS = "too_many_turns"  # per-socket limit of turns in flight
@@ -80,7 +82,7 @@ class ChatFrame:
     id: str
     conversation_id: str
     messages: list[Message] | None  # the whole history (the client's truth) ...
-    content: str | None  # ... or just the next user message
+    content: str | None  # ... or the next user message of a conversation the server holds
     system: str | None
     params: SamplingParams
     cache: bool = True  # False: no K/V kept for this conversation (for comparisons)
@@ -120,9 +122,9 @@ def parse_frame(raw: str | bytes, max_tokens_limit: int) -> Frame:
     if len(raw) > MAX_FRAME_BYTES:  # characters <= bytes: a cheap first check
         raise ProtocolError(TOO_LARGE, f"frame larger than {MAX_FRAME_BYTES} bytes")
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ProtocolError(BAD_REQUEST, f"malformed JSON: {exc}") from None
+        data = json_input.loads(raw)
+    except json_input.BadJSON as exc:
+        raise ProtocolError(BAD_REQUEST, str(exc)) from None
     if not isinstance(data, dict):
         raise ProtocolError(BAD_REQUEST, "a frame must be a JSON object")
     kind = data.get("type")

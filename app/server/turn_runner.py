@@ -151,7 +151,22 @@ class TurnRunner:
 
     def recover(self, turn: RecoveredTurn) -> None:
         """Take up a turn another process (or this one, before a restart) began: its
-        stream replays what was sent and continues once a client resumes it."""
+        stream replays what was sent and continues once a client resumes it. A turn that
+        cannot be taken up (its record names tokens this model does not have, ...) is
+        dropped from the journal: nothing here raises."""
+        try:
+            vocab = len(self.chat.prompt.tokenizer)
+            if any(t >= vocab for t in (*turn.record.prompt_ids, *turn.token_ids)):
+                raise ValueError(f"its token ids are not all below {vocab}")
+            self._recover(turn)
+        except Exception as exc:
+            if self.journal is not None:
+                self._spawn(self.journal.discard(turn.entry, f"turn {turn.record.turn_id!r} "
+                                                 f"cannot be taken up ({exc})"))  # fmt: skip
+            else:
+                log.exception("turn %s cannot be taken up", turn.record.turn_id)
+
+    def _recover(self, turn: RecoveredTurn) -> None:
         if turn.end is not None:
             self._adopt_finished(turn)
             return
@@ -208,6 +223,9 @@ class TurnRunner:
         terminal = p.done_frame(turn.frame.id, "length", usage, timings)
         if self.journal is not None:
             await self.journal.finish(recovered.entry, terminal, True, [])
+            if recovered.entry.lost or recovered.entry.released:
+                terminal = _taken_over(turn.frame.id, recovered.entry.released)
+                self.chat.forget(turn)
         stream.finish(terminal)
 
     async def _run(self, turn: Turn, stream: TurnStream, cont: Continuation | None) -> None:
@@ -224,6 +242,10 @@ class TurnRunner:
         skip = cont.skip if cont else 0
         last: RequestOutput | None = None
         terminal: str | None = None
+        # The start frame: sent with the first token frame, once that is recorded (or with
+        # the terminal, for a reply with no text), so that what a client sees of a turn
+        # always has a frame in the journal; a record with none was never shown.
+        start: tuple[int, ...] | None = None
         salt = self.chat.cache_salt(turn.principal)
         try:
             if cont is None:
@@ -259,11 +281,8 @@ class TurnRunner:
                 last = out
                 reply_ids += out.new_token_ids
                 unrecorded += out.new_token_ids
-                start = None
-                if stream.start is None:
+                if stream.start is None and start is None:
                     start = (base or out.prompt_tokens, out.cached_tokens, out.tier_cached_tokens)
-                    stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start,
-                                                   dropped_messages=turn.dropped))  # fmt: skip
                 text = out.new_text
                 if skip:
                     cut = min(skip, len(text))
@@ -271,12 +290,26 @@ class TurnRunner:
                 if not text:
                     continue
                 if entry is not None and entry.durable:
-                    await self.journal.progress(entry, stream.next_seq, text, unrecorded, start)
+                    first = start if stream.start is None else None
+                    await self.journal.progress(entry, stream.next_seq, text, unrecorded, first)
                     unrecorded = []
+                if entry is not None and (entry.lost or entry.released):
+                    # Another process took the turn over while this one stalled, or the
+                    # journal failed a write for too long: the turn goes on from its record
+                    # (elsewhere, or here once Redis answers). This run stops, and sends
+                    # nothing unrecorded.
+                    self.chat.engine.abort(request_id)
+                    await outputs.aclose()
+                    terminal = _taken_over(frame.id, entry.released)
+                    break
+                if stream.start is None:  # shown once recorded, as every frame
+                    stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start,
+                                                   dropped_messages=turn.dropped))  # fmt: skip
                 reply.append(text)
                 stream.push(text, kept + out.completion_tokens)
                 await stream.sent()
-            terminal = self._terminal(turn, last, base, kept)
+            else:
+                terminal = self._terminal(turn, last, base, kept)
         except JournalUnavailable as exc:
             terminal = p.error_frame(p.ProtocolError(p.UNAVAILABLE, str(exc), frame.id, True))
         except ENGINE_ERRORS as exc:
@@ -301,6 +334,17 @@ class TurnRunner:
                 stream.finish(None)
                 return
             await self.journal.finish(entry, terminal, ok, unrecorded)
+            if entry.lost or entry.released:
+                # Its end not recorded (write-ahead, as its frames): the run that takes it
+                # up from the record ends it, and this one's history of it is stale.
+                terminal = _taken_over(frame.id, entry.released)
+                self.chat.forget(turn)
+        if (
+            stream.start is None
+            and start is not None
+            and not (entry and (entry.lost or entry.released))
+        ):
+            stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start))
         stream.finish(terminal)
 
     def _terminal(self, turn: Turn, last: RequestOutput | None, base: int, kept: int) -> str | None:
@@ -322,3 +366,12 @@ class TurnRunner:
             usage = p.Usage(base, kept + usage.completion_tokens, usage.cached_tokens,
                             usage.tier_cached_tokens)  # fmt: skip
         return p.done_frame(frame.id, reason, usage, self.chat.timings(last))
+
+
+def _taken_over(turn_id: str, released: bool = False) -> str:
+    why = (
+        "the turn journal failed a write: the turn goes on from its record once it is back"
+        if released
+        else "this server stalled and another took the turn over"
+    )
+    return p.error_frame(p.ProtocolError(p.UNAVAILABLE, f"{why}: resume it", turn_id, True))

@@ -66,6 +66,10 @@ class ChatSocket:
                     await self._handle(frame)
                 except p.ProtocolError as err:
                     await self.send(p.error_frame(err))
+                except Exception:  # ours, not the client's: say so, and keep the socket
+                    log.exception("a /ws frame failed")
+                    internal = p.ProtocolError(p.INTERNAL, "the server failed this frame")
+                    await self.send(p.error_frame(internal))
         except WebSocketDisconnect:
             pass
         finally:

@@ -30,8 +30,10 @@ def cluster(tokenizer):
     assert not ray.is_initialized()  # stop() shut the cluster it started
 
 
-def say(ws, turn, conversation, text, max_tokens=12, **params):
-    ws.send_json({"type": "chat", "id": turn, "conversation_id": conversation, "content": text,
+def say(ws, turn, conversation, text, max_tokens=12, first=True, **params):
+    # A conversation's first turn gives its history; `content` continues one held here.
+    said = {"messages": [{"role": "user", "content": text}]} if first else {"content": text}
+    ws.send_json({"type": "chat", "id": turn, "conversation_id": conversation, **said,
                   "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
                              **params}})  # fmt: skip
     return until_terminal(ws, [turn])[turn]
@@ -50,7 +52,7 @@ def test_a_conversation_stays_on_its_replica_and_reuses_its_kv(cluster):
     with client.websocket_connect("/ws") as ws:
         homes = set()
         for t in range(4):
-            frames = say(ws, f"t{t}", "affine-conv", f"Question number {t}?")
+            frames = say(ws, f"t{t}", "affine-conv", f"Question number {t}?", first=t == 0)
             assert frames[-1]["type"] == "done"
             if t:
                 assert frames[0]["cached_tokens"] > 0  # the previous turns' K/V, kept
@@ -72,7 +74,7 @@ def test_cancel_crosses_the_actor_boundary(cluster):
     c, client = cluster
     with client.websocket_connect("/ws") as ws:
         ws.send_json({"type": "chat", "id": "long", "conversation_id": "cancel-conv",
-                      "content": "Go on forever.",
+                      "messages": [{"role": "user", "content": "Go on forever."}],
                       "params": {"max_tokens": 1500, "ignore_eos": True}})  # fmt: skip
         while ws.receive_json()["type"] != "token":
             pass
@@ -93,7 +95,8 @@ def test_a_replica_killed_mid_stream_leaves_one_continuous_reply(cluster):
         assert reference[-1]["type"] == "done"
         params = {"temperature": 5.0, "seed": 7, "max_tokens": 60, "ignore_eos": True}
         ws.send_json({"type": "chat", "id": "k", "conversation_id": "kill-conv",
-                      "content": "Tell me a long story.", "params": params})  # fmt: skip
+                      "messages": [{"role": "user", "content": "Tell me a long story."}],
+                      "params": params})  # fmt: skip
         frames = []
         while len([f for f in frames if f["type"] == "token"]) < 10:
             frames.append(ws.receive_json())

@@ -22,9 +22,11 @@ def home_of(c: RayCluster, conversation: str) -> int:
     return next(home for key, home in c.router._homes.items() if conversation in key)
 
 
-def send(ws, turn: str, conversation: str, text: str, max_tokens: int) -> None:
+def send(ws, turn: str, conversation: str, text: str, max_tokens: int, first=True) -> None:
     params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
-    ws.send_json({"type": "chat", "id": turn, "conversation_id": conversation, "content": text,
+    # A conversation's first turn gives its history; `content` continues one held here.
+    said = {"messages": [{"role": "user", "content": text}]} if first else {"content": text}
+    ws.send_json({"type": "chat", "id": turn, "conversation_id": conversation, **said,
                   "params": params})  # fmt: skip
 
 
@@ -58,7 +60,7 @@ def test_a_rebalanced_conversation_loads_its_kv_from_the_shared_tier(tokenizer, 
         assert load[home] > load[1 - home]
         before = cluster.router.decisions["rebalanced"]
 
-        send(ws, "t2", "moving", "And the sea?", 8)
+        send(ws, "t2", "moving", "And the sea?", 8, first=False)
         frames = until_terminal(ws, ["t2"])["t2"]
         for turn in busy:
             ws.send_json({"type": "cancel", "id": turn})

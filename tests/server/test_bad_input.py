@@ -1,5 +1,6 @@
 """Every kind of bad input, on /ws and on /v1: a clear error, and everything else keeps
-working (a normal chat on another connection completes; the block pool is consistent)."""
+working (a normal chat on another connection completes; the block pool is consistent), and
+/health answers all along (nothing a request sends holds the event loop)."""
 
 import asyncio
 import json
@@ -13,9 +14,28 @@ from app.engine.async_engine import AsyncEngine
 from app.server import protocol
 from app.server.app import create_app
 from tests.e2e.live_server import live_server
+from tests.server.health_watch import health_watch
 from tests.tiny import tiny_engine
 
 LONG = "word " * 3000  # over the tiny model's 2,048-token context
+HUGE_INT = "1" * 5000  # Python's int() refuses over 4,300 digits
+HI = '[{"role": "user", "content": "hi"}]'
+
+
+def raw_chat(tail: str) -> str:
+    """A chat frame as text (for what json.dumps will not write): `tail` ends it."""
+    return '{"type": "chat", "id": "bad", "conversation_id": "raw", ' + tail
+
+
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def nested(depth: int) -> dict:
+    value: dict = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"a": value}, "required": ["a"]}
+    return value
 
 
 def chat(**fields):
@@ -23,6 +43,9 @@ def chat(**fields):
     # jar here) that started it, and these cases open many connections.
     frame = {"type": "chat", "id": "bad", "conversation_id": uuid.uuid4().hex, "content": "hi"}
     frame.update(fields)
+    if isinstance(frame["content"], str) and "messages" not in frame:
+        # A new conversation gives its history: `content` continues one the server holds.
+        frame["messages"] = [{"role": "user", "content": frame.pop("content")}]
     return json.dumps({k: v for k, v in frame.items() if v is not ...})
 
 
@@ -51,6 +74,20 @@ WS_CASES = {
     "stop list too long": (chat(params={"stop": [f"s{i}" for i in range(17)]}), "bad_request"),
     "unknown param": (chat(params={"temprature": 1}), "bad_request"),
     "cancel of an unknown id": ('{"type": "cancel", "id": "ghost"}', "unknown_id"),
+    "integer over 4,300 digits": (
+        raw_chat(f'"messages": {HI}, "params": {{"seed": {HUGE_INT}}}}}'),
+        "bad_request",
+    ),
+    "lone surrogate in content": (
+        raw_chat('"messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+        "bad_request",
+    ),
+    "lone low surrogate in a key": (raw_chat(f'"messages": {HI}, "\\udc00": 1}}'), "bad_request"),
+    "lone surrogate in a cancel id": ('{"type": "cancel", "id": "\\ud800"}', "bad_request"),
+    "100,000 empty messages": (
+        chat(content=..., messages=[{"role": "user", "content": ""}] * 100_000),
+        "too_large",
+    ),
 }
 
 API_CASES = {
@@ -77,6 +114,28 @@ API_CASES = {
     "n over the limit": ({"n": 129}, 400, "n"),
     "unknown model": ({"model": "gpt-17"}, 404, "model"),
     "body over the limit": (b"{" + b" " * (5 << 20) + b"}", 413, None),
+    "integer over 4,300 digits": (f'{{"messages": {HI}, "seed": {HUGE_INT}}}'.encode(), 400, None),
+    "lone surrogate in content": (
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        None,
+    ),
+    "lone surrogate in a key": (f'{{"messages": {HI}, "\\udfff": 1}}'.encode(), 400, None),
+    "100,000 empty messages": (
+        {"messages": [{"role": "user", "content": ""}] * 100_000},
+        400,
+        "messages",
+    ),
+    "20,000-value enum schema": (
+        {"response_format": schema_format({"enum": [f"value-{i}" for i in range(20_000)]})},
+        400,
+        "response_format",
+    ),
+    "schema nested 400 deep": (
+        {"response_format": schema_format(nested(400))},
+        400,
+        "response_format",
+    ),
 }
 
 
@@ -112,7 +171,13 @@ def assert_still_healthy(server):
 @pytest.mark.parametrize("case", list(WS_CASES))
 def test_ws_bad_input(server, case):
     frame, code = WS_CASES[case]
+    with health_watch(server.url) as health:
+        ws_case(server, frame, code)
+    assert not health.failures and health.answered
+    assert_still_healthy(server)
 
+
+def ws_case(server, frame, code):
     async def main():
         async with websockets.connect(ws_url(server), max_size=None) as ws:
             await ws.send(frame)
@@ -127,7 +192,6 @@ def test_ws_bad_input(server, case):
             assert f["type"] == "done"
 
     asyncio.run(main())
-    assert_still_healthy(server)
 
 
 def test_ws_invalid_utf8_closes_only_that_connection(server):
@@ -164,13 +228,10 @@ def test_ws_duplicate_id_and_too_many_turns(server):
 @pytest.mark.parametrize("case", list(API_CASES))
 def test_api_bad_input(server, case):
     body, status, param = API_CASES[case]
-    if isinstance(body, dict):
-        body = {"messages": [{"role": "user", "content": "hi"}], **body}
-        r = httpx.post(server.url + "/v1/chat/completions", json=body)
-    else:
-        r = httpx.post(server.url + "/v1/chat/completions", content=body,
-                       headers={"Content-Type": "application/json"})  # fmt: skip
-    assert r.status_code == status
+    with health_watch(server.url) as health:
+        r = api_case(server, body)
+    assert not health.failures and health.answered
+    assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"]
     if param:
@@ -178,3 +239,13 @@ def test_api_bad_input(server, case):
     if case == "history over the context":
         assert error["code"] == "context_length_exceeded" and "2048" in error["message"]
     assert_still_healthy(server)
+
+
+def api_case(server, body):
+    if isinstance(body, dict):
+        body = {"messages": [{"role": "user", "content": "hi"}], **body}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    else:
+        r = httpx.post(server.url + "/v1/chat/completions", content=body,
+                       headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+    return r

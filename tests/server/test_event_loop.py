@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 
+import pytest
 import websockets
 
 from app.server import protocol as p
@@ -17,8 +18,9 @@ from tests.server.fake_engine import FakeEngine
 class BlockingTokenizer:
     """The real tokenizer, except that a large text waits for `release` first."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, large: int = 100_000) -> None:
         self._tokenizer = tokenizer
+        self.large = large
         self.release = threading.Event()
         self.blocked = threading.Event()
 
@@ -29,20 +31,24 @@ class BlockingTokenizer:
         return len(self._tokenizer)
 
     def encode(self, text, *args, **kwargs):
-        if len(text) > 100_000:
+        if len(text) > self.large:
             self.blocked.set()
             assert self.release.wait(60), "never released"
         return self._tokenizer.encode(text, *args, **kwargs)
 
 
 def chat(turn_id: str, conversation: str, text: str) -> str:
+    messages = [{"role": "user", "content": text}]
     return json.dumps(
-        {"type": "chat", "id": turn_id, "conversation_id": conversation, "content": text}
+        {"type": "chat", "id": turn_id, "conversation_id": conversation, "messages": messages}
     )
 
 
-def test_a_huge_paste_does_not_stall_other_streams(tokenizer):
-    blocking = BlockingTokenizer(tokenizer)
+@pytest.mark.parametrize("history", ["a 1 MiB paste", "999 short messages"])
+def test_a_large_history_does_not_stall_other_streams(tokenizer, history):
+    # 999 messages of two characters each are few characters (the old measure of "large"),
+    # and as much work for the chat template as a long text.
+    blocking = BlockingTokenizer(tokenizer, 100_000 if history == "a 1 MiB paste" else 10_000)
     fake = FakeEngine(tokenizer, delay=0.01, reply=" ".join(["word"] * 30))
     fake.info = fake.info.__class__(fake.info.name, 10**7, fake.info.eos_token_ids, blocking)
     with live_server(create_app(engine=fake)) as s:
@@ -53,8 +59,14 @@ def test_a_huge_paste_does_not_stall_other_streams(tokenizer):
                 websockets.connect(url, max_size=None) as paster,
                 websockets.connect(url) as reader,
             ):
-                paste = "lorem ipsum " * ((p.MAX_FRAME_BYTES - 1000) // 12)
-                await paster.send(chat("big", "paste", paste))
+                if history == "a 1 MiB paste":
+                    paste = "lorem ipsum " * ((p.MAX_FRAME_BYTES - 1000) // 12)
+                    await paster.send(chat("big", "paste", paste))
+                else:
+                    roles = ("user", "assistant")
+                    many = [{"role": roles[i % 2], "content": "hi"} for i in range(999)]
+                    frame = {"type": "chat", "id": "big", "conversation_id": "paste"}
+                    await paster.send(json.dumps({**frame, "messages": many}))
                 await asyncio.to_thread(blocking.blocked.wait, 30)
                 assert blocking.blocked.is_set(), "the paste never reached the tokenizer"
                 await reader.send(chat("r", "other", "hi"))

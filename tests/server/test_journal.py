@@ -3,6 +3,8 @@ restart of the app, takeover of a silent process's turns, Redis faults and trimm
 
 import asyncio
 import logging
+import re
+from dataclasses import replace
 
 import pytest
 import redis
@@ -173,7 +175,7 @@ def test_a_silent_process_loses_its_turns_to_a_live_one(redis_server):
         (turn,) = taken  # taken once, by one of them; nobody took the live one's turn
         assert turn.entry.entry_id == entry.entry_id and turn.texts == ["Hel", "lo"]
         assert turn.token_ids == [10, 11, 12] and turn.start == (3, 0)
-        assert turn.record == record
+        assert replace(turn.record, nonce="") == record  # the nonce: of its accept
         await alive.finish(own, None, False, [])
         for j in (dead, live, alive):
             await j.close()
@@ -228,7 +230,9 @@ def test_redis_lost_mid_turn_the_turn_still_completes(smollm, redis_server):
         assert after[-1]["type"] == "done" and after[-1]["usage"]["completion_tokens"] == 60
         frames = before + tokens(after)
         assert [f["seq"] for f in frames] == list(range(len(frames)))
-        assert "parley:journal_write_errors_total 1.0" in client.get("/metrics").text
+        # Failed round trips: the first, and those that tried again for a while.
+        text = client.get("/metrics").text
+        assert float(re.search(r"^parley:journal_write_errors_total (\S+)", text, re.M)[1]) >= 1
 
 
 def test_the_journal_is_trimmed_of_finished_turns_past_its_bound(smollm, redis_server):

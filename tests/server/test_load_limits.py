@@ -20,7 +20,7 @@ from tests.tiny import tiny_engine
 
 def chat(id, conversation, max_tokens=400):
     return json.dumps({"type": "chat", "id": id, "conversation_id": conversation,
-                       "content": "Tell me a story.",
+                       "messages": [{"role": "user", "content": "Tell me a story."}],
                        "params": {"max_tokens": max_tokens, "ignore_eos": True}})  # fmt: skip
 
 

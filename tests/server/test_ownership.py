@@ -22,8 +22,11 @@ from tests.server.testclient import for_testclient
 SECRET = "My secret code is 4242. Remember it."
 
 
-def content(id, conversation, text):
-    return {"type": "chat", "id": id, "conversation_id": conversation, "content": text,
+def content(id, conversation, text, first=False):
+    """A turn: the first of a conversation gives its history (`content` continues one the
+    server holds)."""
+    said = {"messages": [{"role": "user", "content": text}]} if first else {"content": text}
+    return {"type": "chat", "id": id, "conversation_id": conversation, **said,
             "params": {"temperature": 0, "max_tokens": 16}}  # fmt: skip
 
 
@@ -33,7 +36,7 @@ def test_another_client_can_neither_read_nor_hijack_nor_delete(smollm):
     with TestClient(create_app(engine=engine, server_config=for_testclient())) as client:
         client.cookies.clear()
         with client.websocket_connect("/ws") as a, client.websocket_connect("/ws") as m:
-            a.send_json(content("t1", "victim-conv", SECRET))
+            a.send_json(content("t1", "victim-conv", SECRET, first=True))
             assert until_terminal(a, ["t1"])["t1"][-1]["type"] == "done"
             asked = len(engine.prompts)
 
@@ -59,7 +62,7 @@ def test_another_client_can_neither_read_nor_hijack_nor_delete(smollm):
             assert smollm.tokenizer.decode(engine.prompts[-1]).count("4242") == 1
 
             # Mallory's own conversation works, and starts from nothing of Alice's.
-            m.send_json(content("t3", "mallory-conv", "What was my secret code?"))
+            m.send_json(content("t3", "mallory-conv", "What was my secret code?", first=True))
             frames = until_terminal(m, ["t3"])["t3"]
             assert frames[-1]["type"] == "done"
             assert "4242" not in smollm.tokenizer.decode(engine.prompts[-1])
@@ -107,7 +110,7 @@ def test_two_tenants_with_the_same_conversation_id_do_not_meet(tokenizer, isolat
             before = set(fake.prompts)
             with client.websocket_connect("/ws", headers=auth) as ws:
                 for i, text in enumerate([history, "And then?"]):
-                    ws.send_json(content(f"t{i}", "chat-1", text))
+                    ws.send_json(content(f"t{i}", "chat-1", text, first=i == 0))
                     assert until_terminal(ws, [f"t{i}"])[f"t{i}"][-1]["type"] == "done"
             requests[tenant] = [rid for rid in fake.prompts if rid not in before]
         acme, globex = requests["acme"], requests["globex"]
@@ -126,7 +129,8 @@ def test_a_late_end_of_an_old_turn_leaves_a_newer_turns_mark(tokenizer):
 
     def frame(turn_id):
         return p.parse_frame(
-            f'{{"type": "chat", "id": "{turn_id}", "conversation_id": "c", "content": "hi"}}',
+            f'{{"type": "chat", "id": "{turn_id}", "conversation_id": "c", '
+            '"messages": [{"role": "user", "content": "hi"}]}',
             100,
         )
 

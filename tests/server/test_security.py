@@ -26,7 +26,7 @@ async def chat_once(url, **connect):
     async with websockets.connect(url, **connect) as ws:
         conversation = uuid.uuid4().hex  # each socket here is a client of its own
         await ws.send(json.dumps({"type": "chat", "id": "t", "conversation_id": conversation,
-                                  "content": "hi"}))  # fmt: skip
+                                  "messages": [{"role": "user", "content": "hi"}]}))  # fmt: skip
         while True:
             frame = json.loads(await ws.recv())
             if frame["type"] in ("done", "error"):

@@ -23,7 +23,8 @@ OTHER = {"local_addr": ("127.0.0.2", 0)}  # another machine, as far as the serve
 
 def chat(id, conversation="c", max_tokens=3):
     return json.dumps({"type": "chat", "id": id, "conversation_id": conversation,
-                       "content": "hi", "params": {"max_tokens": max_tokens}})  # fmt: skip
+                       "messages": [{"role": "user", "content": "hi"}],
+                       "params": {"max_tokens": max_tokens}})  # fmt: skip
 
 
 async def open_many(url, count, **connect):
@@ -184,7 +185,8 @@ def test_a_turn_ended_twice_gives_its_share_back_once(tokenizer):
 
     def frame(conversation):
         text = (
-            f'{{"type": "chat", "id": "t", "conversation_id": "{conversation}", "content": "hi"}}'
+            f'{{"type": "chat", "id": "t", "conversation_id": "{conversation}", '
+            f'"messages": [{{"role": "user", "content": "hi"}}]}}'
         )
         return p.parse_frame(text, 100)
 

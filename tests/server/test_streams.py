@@ -11,7 +11,7 @@ from app.engine.async_engine import AsyncEngine
 from app.server.app import ServerConfig, create_app
 from app.server.streams import StreamsConfig
 from tests.server.fake_engine import FakeEngine
-from tests.server.test_ws_fake import chat, text_of, until_terminal
+from tests.server.test_ws_fake import chat, say, text_of, until_terminal
 from tests.server.testclient import for_testclient
 from tests.tiny import tiny_engine
 
@@ -112,7 +112,7 @@ def test_a_turn_nobody_resumes_is_cancelled_after_the_grace_period(fake):
             assert err["type"] == "error" and err["code"] == "expired" and err["id"] == "t1"
             # The conversation is free again, and keeps the partial reply.
             fake.reply = "next"
-            ws.send_json(chat("t2", content="more"))
+            ws.send_json(say("t2", content="more"))
             assert text_of(until_terminal(ws, ["t2"])["t2"]) == "next"
         metrics = client.get("/metrics").text
         assert "parley:turns_expired_total 1.0" in metrics
@@ -227,11 +227,11 @@ def test_a_new_turn_supersedes_the_one_its_client_left_behind(client, fake):
         ws.send_json(chat("t1"))
         first_tokens(ws, 1)
         with client.websocket_connect("/ws") as other:  # still attached: the turn is busy
-            other.send_json(chat("t2", content="again"))
+            other.send_json(say("t2", content="again"))
             assert until_terminal(other, ["t2"])["t2"][0]["code"] == "conversation_busy"
     with client.websocket_connect("/ws") as ws:  # detached now: the new turn replaces it
         fake.reply = "fresh"
-        ws.send_json(chat("t2", content="again"))
+        ws.send_json(say("t2", content="again"))
         assert text_of(until_terminal(ws, ["t2"])["t2"]) == "fresh"
         ws.send_json(resume("t1"))
         assert ws.receive_json()["code"] == "expired"

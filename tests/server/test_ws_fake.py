@@ -23,6 +23,14 @@ def client(fake):
 
 
 def chat(id, conversation="c1", content="hi", **extra):
+    """A turn that gives its history: the first of a conversation (a message alone,
+    `content`, continues only a conversation the server holds: see say())."""
+    return {"type": "chat", "id": id, "conversation_id": conversation,
+            "messages": [{"role": "user", "content": content}], **extra}  # fmt: skip
+
+
+def say(id, conversation="c1", content="hi", **extra):
+    """The next message of a conversation the server holds."""
     return {"type": "chat", "id": id, "conversation_id": conversation, "content": content, **extra}
 
 
@@ -80,7 +88,7 @@ def test_content_mode_continues_the_remembered_history(client, fake, tokenizer):
     with client.websocket_connect("/ws") as ws:
         ws.send_json(chat("t1", content="first question"))
         until_terminal(ws, ["t1"])
-        ws.send_json(chat("t2", content="second question"))
+        ws.send_json(say("t2", content="second question"))
         until_terminal(ws, ["t2"])
     second = tokenizer.decode(list(fake.prompts.values())[-1])
     assert "first question" in second and "one two three four five six" in second
