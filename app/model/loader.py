@@ -25,13 +25,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.config import ModelConfig
 from app.model.arch import ArchConfig
+from app.model.families import layer_norms
 from app.model.fingerprint import fingerprint
 from app.model.registry import DEFAULT_MODEL, default_model_path
 
 log = logging.getLogger(__name__)
 
-# Bump when the converted layout changes (v2: rope_freqs in arch.json; v3: tensor_types.json).
-CACHE_FORMAT = "v3"
+# Bump when the converted layout changes (v2: rope_freqs in arch.json; v3: tensor_types.json;
+# v4: the families' norms).
+CACHE_FORMAT = "v4"
 # End-of-turn markers of common chat templates: generation stops at any that exists.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -95,11 +97,14 @@ def fuse_weights(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, tor
         if lm_head is None:
             raise ValueError("the checkpoint has no lm_head.weight and does not tie embeddings")
         out["lm_head.weight"] = lm_head
+    norms, norm_offset = layer_norms(arch)
+    if norm_offset:
+        out["norm.weight"] = out["norm.weight"] + norm_offset
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         q = f"layers.{i}."
-        out[q + "input_norm.weight"] = hf.pop(p + "input_layernorm.weight")
-        out[q + "post_norm.weight"] = hf.pop(p + "post_attention_layernorm.weight")
+        for theirs, ours in norms.items():
+            out[q + ours] = hf.pop(p + theirs) + norm_offset if norm_offset else hf.pop(p + theirs)
         out[q + "qkv.weight"] = torch.cat(
             [hf.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
         )
@@ -163,7 +168,7 @@ def _convert_gguf(path: Path, target: Path) -> None:
         hf[name] = tensor
     weights = fuse_weights(hf, arch)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    types = tensor_types(reader)
+    types = tensor_types(reader, arch.architecture)
 
     def fill(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"))

@@ -20,8 +20,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # The Llama family: same decoder, small differences (Qwen2 has q/k/v biases, Mistral a
-# sliding window). Keys are `config.json` model_type / GGUF general.architecture values.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# sliding window), and the families of app/model/families (qwen3: q/k norms; gemma3).
+# Keys are `config.json` model_type / GGUF general.architecture values.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 @dataclass(frozen=True)
