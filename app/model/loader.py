@@ -27,7 +27,7 @@ from app.config import ModelConfig
 from app.model.arch import ArchConfig
 from app.model.families import layer_norms
 from app.model.fingerprint import fingerprint
-from app.model.registry import DEFAULT_MODEL, default_model_path
+from app.model.registry import DEFAULT_MODEL, MODELS, known_model, model_path
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,18 @@ class LoadedModel:
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load config, weights and tokenizer for `cfg.model` (None: the default model)."""
-    if cfg.model is None:
-        path = default_model_path(cfg.cache_dir)
-        name = DEFAULT_MODEL.name
+    known = known_model(cfg.model) if cfg.model is not None else DEFAULT_MODEL
+    if known is not None and (cfg.model is None or not Path(cfg.model).expanduser().exists()):
+        path = model_path(known, cfg.cache_dir)
+        name = known.name
     else:
         path = Path(cfg.model).expanduser()
         name = path.stem if path.suffix == ".gguf" else path.name
         if not path.exists():
-            raise FileNotFoundError(f"model path {path} does not exist")
+            raise FileNotFoundError(
+                f"model path {path} does not exist (nor is it a known model name: "
+                f"{', '.join(MODELS)})"
+            )
     if not path.is_dir() and path.suffix != ".gguf":
         raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
     key = f"{name}-{fingerprint(path)[:16]}"

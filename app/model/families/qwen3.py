@@ -16,8 +16,10 @@ def qk_normed(
 ) -> torch.Tensor:
     """qkv (T, (H + 2 Hkv) D) with each head of q and k RMS-normalized over its D."""
     T, D = qkv.shape[0], arch.head_dim
-    q = ops.norm(qkv[:, : arch.q_size].reshape(-1, D), q_norm).view(T, -1)
-    k = ops.norm(qkv[:, arch.q_size : arch.q_size + arch.kv_size].reshape(-1, D), k_norm)
+    # (T * heads, D) rows, contiguous: a slice of one head's width reshapes to a strided view.
+    q = ops.norm(qkv[:, : arch.q_size].reshape(-1, D).contiguous(), q_norm).view(T, -1)
+    k = qkv[:, arch.q_size : arch.q_size + arch.kv_size].reshape(-1, D).contiguous()
+    k = ops.norm(k, k_norm)
     return torch.cat((q, k.view(T, -1), qkv[:, arch.q_size + arch.kv_size :]), dim=-1)
 
 

@@ -1,0 +1,83 @@
+"""The families beyond Llama's decoder (app/model/families), each a small random model built
+in the test and written as llama.cpp writes it: our GGUF reader and layers compute what
+transformers computes on the same weights. And an architecture we do not run is a one-line
+error that names those we do."""
+
+import pytest
+import torch
+from gguf import GGUFWriter
+
+from app.config import ModelConfig, default_cache_dir
+from app.model.build import build_model
+from app.model.loader import load_model
+from app.model.registry import SUPPORTED_ARCHITECTURES, default_model_path
+from tests.model.gguf_families import tiny_hf, write_family_gguf
+
+pytest.importorskip("transformers")
+
+
+def exact(path, tmp_path, **kw) -> ModelConfig:
+    return ModelConfig(
+        model=str(path), cache_dir=tmp_path / "cache", quantization="none", dtype="float32", **kw
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_a_family_computes_what_transformers_computes(family, tmp_path, tokenizer):
+    hf = tiny_hf(family, len(tokenizer))
+    path = write_family_gguf(
+        hf, tmp_path / f"{family}.gguf", default_model_path(default_cache_dir())
+    )
+    cfg = exact(path, tmp_path)
+    loaded = load_model(cfg)
+    assert loaded.arch.architecture == family and loaded.arch.qk_norm
+    if family == "gemma3":  # 5 local layers of 8 positions, then a global one
+        assert [loaded.arch.layer_window(i) for i in range(6)] == [8] * 5 + [None]
+    model = build_model(loaded, cfg, "cpu", 512).model
+    ids = list(range(1000, 1040))  # 40 positions: 5 windows' worth
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+        ours = model.forward_tokens(ids)
+    diff = (ours - ref).abs().max().item()
+    assert diff < 1e-3, f"max |logit difference| {diff}"
+
+
+def test_gemma3_without_its_window_would_differ(tmp_path, tokenizer):
+    """The test above can fail: attending to everything in the local layers moves the
+    logits of positions past the window."""
+    hf = tiny_hf("gemma3", len(tokenizer))
+    path = write_family_gguf(hf, tmp_path / "g.gguf", default_model_path(default_cache_dir()))
+    cfg = exact(path, tmp_path)
+    model = build_model(load_model(cfg), cfg, "cpu", 512).model
+    ids = list(range(1000, 1040))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+        for layer in model.layers:
+            layer.window = None
+        wrong = model.forward_tokens(ids)
+    assert (wrong[8:] - ref[8:]).abs().max().item() > 1e-2
+
+
+def test_an_unknown_architecture_is_one_line_naming_the_supported(tmp_path):
+    path = tmp_path / "bogus.gguf"
+    writer = GGUFWriter(str(path), "bogus")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError) as err:
+        load_model(ModelConfig(model=str(path), cache_dir=tmp_path / "cache"))
+    message = str(err.value)
+    assert "\n" not in message and "'bogus'" in message
+    assert all(a in message for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_known_model_names_and_paths(tmp_path):
+    from app.model.registry import GEMMA3_270M, known_model
+
+    assert known_model("Gemma-3-270M") is GEMMA3_270M
+    assert known_model("no-such-model") is None
+    with pytest.raises(FileNotFoundError, match="known model name"):
+        load_model(ModelConfig(model=str(tmp_path / "missing.gguf"), cache_dir=tmp_path))
