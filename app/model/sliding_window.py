@@ -3,9 +3,10 @@ same paged KV cache as full attention (app/model/attention.py).
 
 Correctness first: the blocks of a sequence stay as they are and the keys that fell out of
 the window are masked (their blocks are not freed). Every query row attends to the keys at
-positions p with q - window < p <= q, through PyTorch's SDPA with a bool mask built from
-the step's positions: decodes gathered by block table as attention.py's SDPA path does,
-prefill chunks over their own K/V (a fresh prompt) or the gathered context.
+positions p with q - window < p <= q, through PyTorch's SDPA: decodes gathered by block
+table (Python work per decode and layer: fine for correctness, a kernel's job later),
+prefill chunks over their own K/V (a fresh prompt) or the gathered context. A decode
+attends in a call of its own, over exactly its window.
 """
 
 from __future__ import annotations
@@ -41,15 +42,23 @@ def attend_window(
     if n:
         if meta.decode_block_tables is None:
             raise NotImplementedError("local attention runs on the CPU path (block tables)")
-        tables = meta.decode_block_tables
-        L = tables.shape[1] * k_cache.shape[1]
-        flat = tables.reshape(-1)
-        ks = k_cache.index_select(0, flat).view(n, L, hkv, D).transpose(1, 2)
-        vs = v_cache.index_select(0, flat).view(n, L, hkv, D).transpose(1, 2)
-        keep = _keep(positions[:n].cpu(), torch.arange(L), window).to(q.device)  # (n, L)
-        qs = q[:n].reshape(n, hkv, H // hkv, D)  # (n, Hkv, G, D)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep[:, None, None], scale=scale)
-        out[:n] = o.reshape(n, H, D)
+        # One call a sequence over exactly its window's keys: no padding to the batch's
+        # longest, so a decode's bits do not depend on the sequences beside it.
+        bs = k_cache.shape[1]
+        for i, pos in enumerate(positions[:n].tolist()):
+            first = max(0, pos + 1 - window)
+            blocks = meta.decode_block_tables[i, first // bs : pos // bs + 1]
+            ks = k_cache.index_select(0, blocks).view(-1, hkv, D)[
+                first % bs : first % bs + pos + 1 - first
+            ]
+            vs = v_cache.index_select(0, blocks).view(-1, hkv, D)[
+                first % bs : first % bs + pos + 1 - first
+            ]
+            qs = q[i].view(hkv, H // hkv, D)  # (Hkv, G, D)
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1), vs.transpose(0, 1), scale=scale
+            )
+            out[i] = o.reshape(H, D)
     for p in meta.prefills:
         s, e = p.start, p.start + p.num_tokens
         q_pos = positions[s:e].cpu()
