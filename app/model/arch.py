@@ -107,6 +107,8 @@ class ArchConfig:
             rope_scaling = dict(rope_scaling)
             rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
         window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+        if c.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("a partial rotary (partial_rotary_factor < 1) is not supported")
         gemma = model_type == "gemma3"
         return cls(
             architecture=model_type,

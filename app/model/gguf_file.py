@@ -54,6 +54,11 @@ _GEMMA_NAMES = _LAYER_NAMES | {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3 stores q/k/v as one matrix and gate/up as another (ffn_up: gate's rows, then up's).
+_PHI3_NAMES = _LAYER_NAMES | {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 # llama.cpp hard-codes what gemma3's GGUF metadata leaves out: every 6th layer attends
 # globally, the others locally with rotary base 10,000.
 GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_THETA = 6, 10000.0
@@ -90,6 +95,8 @@ def read_arch(reader: GGUFReader) -> ArchConfig:
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     rope_scaling = _rope_scaling(reader, get("rope.scaling.type"), get("rope.scaling.factor"))
     tied = not any(t.name == "output.weight" for t in reader.tensors)
+    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise ValueError(f"{arch}: LongRoPE (rope_factors_long/short tensors) is not supported")
     window = get("attention.sliding_window")
     window = int(window) if window else None
     gemma = arch == "gemma3"
@@ -147,7 +154,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_NAMES if architecture == "gemma3" else _LAYER_NAMES
+    names = {"gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES}.get(architecture, _LAYER_NAMES)
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}"

@@ -109,16 +109,22 @@ def fuse_weights(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, tor
         q = f"layers.{i}."
         for theirs, ours in norms.items():
             out[q + ours] = hf.pop(p + theirs) + norm_offset if norm_offset else hf.pop(p + theirs)
-        out[q + "qkv.weight"] = torch.cat(
-            [hf.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
+        fused = hf.pop(p + "self_attn.qkv_proj.weight", None)  # Phi-3 stores them so
+        out[q + "qkv.weight"] = (
+            torch.cat([hf.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
+            if fused is None
+            else fused
         )
         if arch.attention_bias:
             out[q + "qkv.bias"] = torch.cat(
                 [hf.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
             )
         out[q + "o_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight")
-        out[q + "gate_up.weight"] = torch.cat(
-            [hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")], dim=0
+        fused = hf.pop(p + "mlp.gate_up_proj.weight", None)
+        out[q + "gate_up.weight"] = (
+            torch.cat([hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
+            if fused is None
+            else fused
         )
         out[q + "down.weight"] = hf.pop(p + "mlp.down_proj.weight")
     unused = [k for k in hf if "rotary_emb" not in k]

@@ -21,9 +21,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # The Llama family: same decoder, small differences (Qwen2 has q/k/v biases, Mistral a
-# sliding window), and the families of app/model/families (qwen3: q/k norms; gemma3).
+# sliding window, Phi-3 fused q/k/v and gate/up matrices), and the families of
+# app/model/families (qwen3: q/k norms; gemma3).
 # Keys are `config.json` model_type / GGUF general.architecture values.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
 
 
 @dataclass(frozen=True)

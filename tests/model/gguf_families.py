@@ -1,6 +1,7 @@
-"""Write small transformers Qwen3 and Gemma 3 models as GGUF files the way llama.cpp's
-converter does (no Q/K permutation for these; Gemma's norm weights stored as 1 + w, its
-pre-feedforward norm as ffn_norm), so the reader's answer is known: the HF model's own."""
+"""Write small transformers Qwen3, Gemma 3 and Phi-3 models as GGUF files the way
+llama.cpp's converter does (no Q/K permutation for these; Gemma's norm weights stored as
+1 + w, its pre-feedforward norm as ffn_norm; Phi-3's fused attn_qkv and ffn_up), so the
+reader's answer is known: the HF model's own."""
 
 from __future__ import annotations
 
@@ -18,16 +19,29 @@ F32 = GGMLQuantizationType.F32
 def tiny_hf(family: str, vocab: int, seed: int = 0):
     """A small random Qwen3 or Gemma 3 (6 layers: Gemma's 6th attends globally, the others
     over the last 8 positions)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        vocab_size=vocab, intermediate_size=128, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         rms_norm_eps=1e-6,
     )  # fmt: skip
+    if family != "phi3":
+        common["hidden_size"] = 64
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=False))
+    elif family == "phi3":
+        del common["head_dim"]  # hidden / heads
+        cfg = Phi3Config(**common, hidden_size=128, sliding_window=None, pad_token_id=0)
+        model = Phi3ForCausalLM(cfg)
     else:
         cfg = Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=32)
         model = Gemma3ForCausalLM(cfg)
@@ -42,7 +56,7 @@ def write_family_gguf(
     model, path: Path, tokenizer_source: Path, linear_type: GGMLQuantizationType = F32
 ) -> Path:
     c = model.config
-    family = "gemma3" if "gemma" in c.model_type else "qwen3"
+    family = {"gemma3_text": "gemma3", "gemma3": "gemma3"}.get(c.model_type, c.model_type)
     writer = GGUFWriter(str(path), family)
     writer.add_name(f"tiny-{family}")
     writer.add_context_length(c.max_position_embeddings)
@@ -51,11 +65,14 @@ def write_family_gguf(
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters
     theta = rope["full_attention"]["rope_theta"] if family == "gemma3" else rope["rope_theta"]
+    assert rope.get("rope_type", "default") == "default" or family == "gemma3"
     writer.add_rope_freq_base(float(theta))
     if family == "gemma3":
         writer.add_sliding_window(c.sliding_window)
@@ -89,11 +106,18 @@ def write_family_gguf(
         }
     else:
         names |= {"post_attention_layernorm": "ffn_norm"}
+    if family == "phi3":
+        del names["self_attn.q_norm"], names["self_attn.k_norm"]
     linears = {
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }  # fmt: skip
+    if family == "phi3":
+        linears = {
+            "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+            "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        }  # fmt: skip
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         for hf, ours in names.items():

@@ -22,7 +22,7 @@ def exact(path, tmp_path, **kw) -> ModelConfig:
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
 def test_a_family_computes_what_transformers_computes(family, tmp_path, tokenizer):
     hf = tiny_hf(family, len(tokenizer))
     path = write_family_gguf(
@@ -30,7 +30,7 @@ def test_a_family_computes_what_transformers_computes(family, tmp_path, tokenize
     )
     cfg = exact(path, tmp_path)
     loaded = load_model(cfg)
-    assert loaded.arch.architecture == family and loaded.arch.qk_norm
+    assert loaded.arch.architecture == family and loaded.arch.qk_norm == (family != "phi3")
     if family == "gemma3":  # 5 local layers of 8 positions, then a global one
         assert [loaded.arch.layer_window(i) for i in range(6)] == [8] * 5 + [None]
     model = build_model(loaded, cfg, "cpu", 512).model

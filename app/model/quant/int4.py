@@ -253,6 +253,8 @@ def _parts(arch: ArchConfig) -> dict[str, list[tuple[str, int]]]:
 
 
 Linear = Int4Weight | GroupWeight
+# Our fused linears that a checkpoint may store fused already (Phi-3), by its name.
+FUSED = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
 
 
 def as_group(w: Int4Weight) -> GroupWeight:
@@ -276,6 +278,10 @@ def int4_linears(
             w = weights[f"layers.{i}.{name}.weight"]
             pieces: list[Linear] = []
             row = 0
+            whole = stored.pop(f"model.layers.{i}.{FUSED.get(name, '-')}.weight", None)
+            if whole is not None:  # stored fused, as Phi-3's files store qkv and gate_up
+                parts, pieces = [], [whole]
+                as_stored += 1
             for hf, rows in parts:
                 piece = stored.pop(f"model.layers.{i}.{hf}.weight", None)
                 if piece is None:
