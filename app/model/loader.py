@@ -86,6 +86,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         types = json.loads((converted / "tensor_types.json").read_text())
     # Weights stay as loaded (fp32, memory-mapped): app.model.build converts what it keeps
     # into the dtype the model runs in, and leaves alone what a weight format replaces.
+    if arch.architecture == "gemma3" and not getattr(tokenizer, "chat_template", None):
+        from app.model.families.gemma3 import CHAT_TEMPLATE
+
+        tokenizer.chat_template = CHAT_TEMPLATE
     eos = _eos_token_ids(tokenizer, path)
     return LoadedModel(name, arch, weights, tokenizer, eos, key, path, types)
 

@@ -81,3 +81,25 @@ def test_known_model_names_and_paths(tmp_path):
     assert known_model("no-such-model") is None
     with pytest.raises(FileNotFoundError, match="known model name"):
         load_model(ModelConfig(model=str(tmp_path / "missing.gguf"), cache_dir=tmp_path))
+
+
+def test_gemma3_template_has_no_system_role(tokenizer):
+    """A Gemma file without a template of its own gets Gemma's turns; a system message
+    opens the first user turn (Gemma has no system role)."""
+    from app.model.families.gemma3 import CHAT_TEMPLATE
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Why?"},
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    bos = tokenizer.bos_token or ""
+    assert text == (
+        f"{bos}<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+    )

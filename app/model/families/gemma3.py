@@ -24,6 +24,26 @@ from app.model.families.qwen3 import qk_normed
 from app.model.llama import DecoderLayer, LlamaModel, RMSNorm, Rotary
 from app.model.sliding_window import attend_window
 
+# Gemma's turn format, for files that carry no template of their own (the base 270M does
+# not): turns of "user" and "model" between <start_of_turn> and <end_of_turn>. Gemma has
+# no system role: system messages open the first user turn, a blank line after them.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + m['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set role = 'model' if m['role'] == 'assistant' else 'user' -%}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{%- if role == 'user' and ns.system -%}{{ ns.system }}{%- set ns.system = '' -%}{%- endif -%}"
+    "{{ m['content'] }}{{ '<end_of_turn>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if ns.system -%}{{ '<start_of_turn>user\n' + ns.system + '<end_of_turn>\n' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
 
 class Gemma3Layer(DecoderLayer):
     def __init__(
