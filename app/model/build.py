@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 INT4_FORMAT = "int4-v4"
 # Tensors served from their Q8_0 bytes where the GGUF stores them so (app.model.quant.q8_0).
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+LM_HEAD_OURS = "lm_head.weight"  # the same name in our layout (app.model.loader.fuse_weights)
 NATIVE_4BIT = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 kernel runs as they are
 # GGUF types served as stored, whatever their bits: NATIVE_4BIT on q4_matmul, the others
 # (K-quants, Q5_0/Q5_1, Q8_0) as int8 codes with fp32 group scales on group_matmul.
@@ -172,12 +173,17 @@ def build_model(
     if on_cpu:
         _use_cpu_kernels(model, cfg, fmt)
     if fmt.quantization == "int4":
-        _int4_head(model, q8, fmt.torch_dtype, kernel=model.ops.fused)
+        head = None if loaded.arch.tie_word_embeddings else loaded.weights.get(LM_HEAD_OURS)
+        _int4_head(model, q8, fmt.torch_dtype, kernel=model.ops.fused, float_head=head)
     return BuiltModel(model, fmt, weight_bytes(model))
 
 
 def _int4_head(
-    model: LlamaModel, q8: dict[str, Q8Weight | GroupWeight], dtype: torch.dtype, kernel: bool
+    model: LlamaModel,
+    q8: dict[str, Q8Weight | GroupWeight],
+    dtype: torch.dtype,
+    kernel: bool,
+    float_head: torch.Tensor | None = None,
 ) -> None:
     """The int4 model's embedding and LM head: from the checkpoint's Q8_0 bytes where it
     has them (app.model.quant.q8_0), and the LM head on Parley's block_matmul wherever the
@@ -191,7 +197,10 @@ def _int4_head(
         if isinstance(head, GroupWeight):
             model.packed_lm_head = GroupLinear(head, fp32_out=True)
         else:
-            model.packed_lm_head = BlockLinear(head if head is not None else model.lm_head_weight)
+            # An untied float head: the checkpoint's (model_from_int4 packed it for oneDNN
+            # and dropped the module, so lm_head_weight would name the embedding).
+            fallback = model.lm_head_weight if float_head is None else float_head.to(dtype)
+            model.packed_lm_head = BlockLinear(head if head is not None else fallback)
         model.lm_head = None
     if embedding is not None and (kernel or not model.arch.tie_word_embeddings):
         if isinstance(embedding, GroupWeight):

@@ -5,7 +5,7 @@ error that names those we do."""
 
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 
 from app.config import ModelConfig, default_cache_dir
 from app.model.build import build_model
@@ -103,3 +103,31 @@ def test_gemma3_template_has_no_system_role(tokenizer):
         "<start_of_turn>model\nHello!<end_of_turn>\n"
         "<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+@pytest.mark.parametrize("family,kind", [("qwen3", "Q5_0"), ("phi3", "Q8_0"), ("gemma3", "Q5_1")])
+def test_quantized_linears_run_as_stored(family, kind, tmp_path, tokenizer):
+    """A file's 5- and 8-bit linears serve from their own blocks (int8 codes on
+    group_matmul, Phi-3's fused matrices whole): the same function as the exact
+    reference, which dequantizes the same blocks."""
+    from app.model.quant.kquants import GroupLinear
+
+    hf = tiny_hf(family, len(tokenizer))
+    source = default_model_path(default_cache_dir())
+    path = write_family_gguf(hf, tmp_path / "q.gguf", source, GGMLQuantizationType[kind])
+    ref_cfg = exact(path, tmp_path)
+    loaded = load_model(ref_cfg)
+    assert loaded.linear_types() == {kind}
+    ref = build_model(loaded, ref_cfg, "cpu", 512).model
+    cfg = exact(path, tmp_path)
+    cfg = ModelConfig(**{**cfg.__dict__, "quantization": "auto", "cpu_kernels": "on"})
+    built = build_model(loaded, cfg, "cpu", 512)
+    assert built.format.quantization == "int4"
+    linears = [m for m in built.model.modules() if isinstance(m, GroupLinear)]
+    assert len(linears) == 4 * loaded.arch.num_layers and all(m.kernel for m in linears)
+    ids = list(range(1000, 1040))
+    with torch.no_grad():
+        want, got = ref.forward_tokens(ids), built.model.forward_tokens(ids)
+    diff = (got - want).abs().max().item()
+    tol = 0.1 if built.format.dtype == "bfloat16" else 1e-3
+    assert diff < tol, f"max |logit difference| {diff} ({built.format.dtype})"
