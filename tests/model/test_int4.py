@@ -273,8 +273,11 @@ def test_auto_keeps_float_checkpoints_as_they_are(tokenizer, monkeypatch):
     fake_cpu(monkeypatch, True)
     loaded = tiny_loaded(tokenizer)
     assert pick(AUTO, loaded) == ("none", "float32")
-    loaded.tensor_types = {"model.layers.0.mlp.down_proj.weight": "Q8_0"}
+    loaded.tensor_types = {"model.layers.0.mlp.down_proj.weight": "F16"}
     assert pick(AUTO, loaded) == ("none", "float32")
+    # Any GGUF block format is served as stored (app.model.quant.kquants), not as floats.
+    loaded.tensor_types = {"model.layers.0.mlp.down_proj.weight": "Q8_0"}
+    assert pick(AUTO, loaded) == ("int4", "bfloat16")
     loaded.tensor_types = {"model.layers.0.mlp.down_proj.weight": "Q4_0"}
     # Off the CPU (meta stands in for CUDA) the int4 kernel is not there: weights as
     # loaded, in bf16 (issue 18's default on a GPU).
