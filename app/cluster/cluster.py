@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -29,11 +30,10 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from app.cluster.replica import Relayed, Replica, ReplicaBeat
-from app.cluster.router import Router
+from app.cluster.router import Router, prompt_block_hashes
 from app.cluster.simulated import SimulatedReplica
 from app.config import ClusterConfig, EngineConfig
 from app.engine.errors import EngineDead
-from app.engine.kv_manager import hash_block, salt_root
 from app.engine.outputs import (
     EngineListener,
     EngineStats,
@@ -51,8 +51,8 @@ REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 MONITOR_INTERVAL_S = 1.0
 PING_TIMEOUT_S = 5.0
 PUBLISHED_BLOCKS = 4096  # block hashes a replica publishes with each heartbeat
-ROUTING_BLOCKS = 256  # a prompt's leading blocks hashed for prefix-aware routing
 INLINE_PROMPT_CHARS = 8192
+MAX_SESSIONS = 100_000  # sessions whose replicas are remembered (to release their pins)
 _GONE = object()  # queued to a request whose replica's stream broke
 
 
@@ -111,6 +111,7 @@ class RayCluster:
         self._front = uuid.uuid4().hex  # this front's name on the replicas' streams
         self._inboxes: dict[str, asyncio.Queue[Any]] = {}  # request id -> its outputs
         self._relays: dict[int, asyncio.Task[None]] = {}  # replica -> its stream's reader
+        self._visited: OrderedDict[str, set[int]] = OrderedDict()  # session -> its replicas
         self.live: set[int] = set(range(n))
         self.in_flight = dict.fromkeys(range(n), 0)
         self._stats: dict[int, EngineStats] = {}
@@ -155,7 +156,9 @@ class RayCluster:
             self.replicas[replica].abort.remote(request_id)
 
     def release_session(self, session_id: str) -> None:
-        for replica in self.live:  # it may have pins on any replica it ever visited
+        # It may have pins on any replica it visited (all, once forgotten which).
+        visited = self._visited.pop(session_id, self.live)
+        for replica in visited & self.live:
             self.replicas[replica].release_session.remote(session_id)
         self.router.forget(session_id)
 
@@ -202,7 +205,7 @@ class RayCluster:
             raise EngineDead("no engine replica is running; retry shortly")
         ids = await self._token_ids(prompt)
         key = session_id or routing_key
-        hashes = None if key else _block_hashes(ids, cache_salt, self._block_size)
+        hashes = None if key else prompt_block_hashes(ids, cache_salt, self._block_size)
         sent: list[int] = []  # output token ids already passed on
         first: RequestOutput | None = None
         tried = 0
@@ -220,6 +223,8 @@ class RayCluster:
             self._inboxes[request_id] = inbox
             self.in_flight[replica] += 1
             self._where[request_id] = replica
+            if session_id is not None:
+                self._visit(session_id, replica)
             open_choices, ended = params.n, False
             try:
                 self._relay(replica)
@@ -311,6 +316,12 @@ class RayCluster:
             cpu_threads=s.cpu_threads if s else 0,
         )
 
+    def _visit(self, session_id: str, replica: int) -> None:
+        self._visited.setdefault(session_id, set()).add(replica)
+        self._visited.move_to_end(session_id)
+        while len(self._visited) > MAX_SESSIONS:
+            self._visited.popitem(last=False)
+
     def _relay(self, i: int) -> None:
         """Read replica i's stream (once per replica and life of its actor)."""
         if i not in self._relays:
@@ -377,16 +388,6 @@ class RayCluster:
 
 async def _await(ref: Any) -> Any:
     return await ref
-
-
-def _block_hashes(ids: list[int], salt: str | None, block_size: int) -> list[bytes]:
-    """A prompt's leading full blocks, hashed as the engine names them (kv_manager)."""
-    hashes: list[bytes] = []
-    parent = salt_root(salt)
-    for start in range(0, min(len(ids) // block_size, ROUTING_BLOCKS) * block_size, block_size):
-        parent = hash_block(parent, ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 def _merged(first: Any, inbox: asyncio.Queue[Any]) -> list[Any]:

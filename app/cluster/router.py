@@ -25,12 +25,28 @@ import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
+from app.engine.kv_manager import hash_block, salt_root
+
 AFFINE = "affine"  # to the replica that holds the key's K/V
 REBALANCED = "rebalanced"  # its home was too busy (or gone): to the least loaded
 PREFIX = "prefix"  # no key: to the replica holding the longest cached prefix
 BALANCED = "balanced"  # no key and no useful cached prefix (or it was too busy): least loaded
 DECISIONS = (AFFINE, REBALANCED, PREFIX, BALANCED)
 MAX_HOMES = 100_000
+ROUTING_BLOCKS = 256  # a prompt's leading blocks hashed for prefix-aware routing
+
+
+def prompt_block_hashes(
+    ids: Sequence[int], salt: str | None, block_size: int, max_blocks: int = ROUTING_BLOCKS
+) -> list[bytes]:
+    """A prompt's leading full blocks, named as the engine names them (kv_manager): the
+    same chain of hashes, from the same salt."""
+    hashes: list[bytes] = []
+    parent = salt_root(salt)
+    for start in range(0, min(len(ids) // block_size, max_blocks) * block_size, block_size):
+        parent = hash_block(parent, list(ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
 
 
 def rendezvous(key: str, candidates: Sequence[int]) -> int:
