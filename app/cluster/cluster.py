@@ -111,6 +111,7 @@ class RayCluster:
         self._front = uuid.uuid4().hex  # this front's name on the replicas' streams
         self._inboxes: dict[str, asyncio.Queue[Any]] = {}  # request id -> its outputs
         self._relays: dict[int, asyncio.Task[None]] = {}  # replica -> its stream's reader
+        self._lost_at: dict[int, float] = {}  # replica -> when its stream last broke
         self._visited: OrderedDict[str, set[int]] = OrderedDict()  # session -> its replicas
         self.live: set[int] = set(range(n))
         self.in_flight = dict.fromkeys(range(n), 0)
@@ -355,6 +356,7 @@ class RayCluster:
         """Replica i is gone (or not answering): route nothing to it, and move what it
         served."""
         self.live.discard(i)
+        self._lost_at[i] = time.monotonic()
         self.router.drop(i)
         for request_id, replica in list(self._where.items()):
             if replica == i and request_id in self._inboxes:
@@ -365,6 +367,7 @@ class RayCluster:
         counters for /metrics."""
         while True:
             for i, replica in enumerate(self.replicas):
+                asked = time.monotonic()
                 try:
                     beat: ReplicaBeat = await asyncio.wait_for(
                         _await(replica.heartbeat.remote(PUBLISHED_BLOCKS)), PING_TIMEOUT_S
@@ -377,6 +380,8 @@ class RayCluster:
                 except REPLICA_GONE:
                     self._lost(i)
                     continue
+                if self._lost_at.get(i, 0.0) > asked:
+                    continue  # it answered before it was lost: not a sign of life
                 self._relay(i)
                 if i not in self.live:
                     log.info("engine replica %d is live", i)
