@@ -39,11 +39,13 @@ def wait_ready(proc: subprocess.Popen, url: str, what: str, timeout: float = 600
 
 
 def start(flags: list[str], root: Path = ROOT, **popen) -> tuple[subprocess.Popen, str]:
-    """`python -m app` (from the checkout at `root`) on a free loopback port, in a session
-    of its own (so that its Ray processes go with it), once /ready answers: the process
-    and its base URL."""
+    """`python -m app` from the checkout at `root` on a free loopback port, in a session of
+    its own (so that its Ray processes go with it), once /ready answers: the process and its
+    base URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *flags]
+    if root != ROOT:
+        popen["env"] = {**popen.get("env", os.environ), "PYTHONPATH": str(root)}
     proc = subprocess.Popen(cmd, cwd=root, start_new_session=True, **popen)
     url = f"http://127.0.0.1:{port}"
     try:
