@@ -134,6 +134,17 @@ def test_api_requests_without_a_key_follow_their_cached_prefix(cluster):
     wait_for(lambda: any(c.router._held.get(r) for r in c.live))  # heartbeats publish
 
 
+def test_a_request_a_replica_refuses_is_a_clear_error_and_the_rest_goes_on(cluster):
+    """The engine's refusal (a prompt past the context) crosses the relay as its type."""
+    c, client = cluster
+    body = {"model": c.info.name, "prompt": [5] * 3000, "max_tokens": 1}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert "context" in reply.json()["error"]["message"]
+    body = {"model": c.info.name, "prompt": [5] * 30, "max_tokens": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
 def test_routing_and_replicas_show_in_metrics(cluster):
     _, client = cluster
     text = client.get("/metrics").text
