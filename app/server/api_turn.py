@@ -1,0 +1,275 @@
+"""One reply to a message list, for the /v1 surfaces that speak in messages and items
+(the Responses API, Anthropic's Messages): the prompt through the chat template, the
+engine stream, what it produced, and (for a stored conversation) its pinned K/V.
+
+It goes through the same seams as /v1/chat/completions: the ChatService's prompt and
+conversations, the engine's `generate`, the error mapping of app.server.errors. A
+conversation given here keeps the reply's K/V pinned for its next turn, and the reply's
+own token ids for splicing into the next prompt (app.chat.prompt), so a follow-up costs
+only its new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.chat.prompt import Message
+from app.chat.sessions import Conversation
+from app.chat.tools import ToolCall, parse_forced_call, parse_tool_calls
+from app.engine.outputs import RequestOutput
+from app.engine.request import FinishReason, SamplingParams
+from app.server import json_input
+from app.server.chat_service import ChatService, renders_inline
+from app.server.errors import ENGINE_ERRORS, APIError, api_error
+from app.server.openai_api import INLINE_PARSE_BYTES, _read_body
+from app.server.openai_fields import Field, check_fields
+from app.server.openai_request import ToolUse, bad
+from app.server.security import Principal
+
+
+async def read_json(request: Request, fields: dict[str, Field]) -> dict[str, Any]:
+    """The request's JSON object, every field checked against `fields`. Raises APIError."""
+    raw = await _read_body(request)
+    try:
+        if len(raw) > INLINE_PARSE_BYTES:
+            body = await asyncio.to_thread(json_input.loads, raw)
+        else:
+            body = json_input.loads(raw)
+    except json_input.BadJSON as exc:
+        raise bad(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    check_fields(body, fields)
+    return body
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+@dataclass
+class Produced:
+    """What a reply has produced so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    last: RequestOutput | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.last is not None and self.last.finish_reason is FinishReason.ERROR
+
+
+class Generation:
+    """One reply: `begin()` renders the prompt and starts the request (errors surface
+    there, before a byte is sent); `outputs()` streams it; `close()` ends it (always)."""
+
+    def __init__(
+        self,
+        chat: ChatService,
+        principal: Principal,
+        messages: list[Message],
+        params: SamplingParams,
+        tools: ToolUse | None = None,
+        conversation: Conversation | None = None,
+        routing_hint: str | None = None,
+        prompt_param: str = "messages",
+    ) -> None:
+        self.chat = chat
+        self.principal = principal
+        self.messages = messages
+        self.params = params
+        self.tools = tools
+        # A conversation with a turn in flight (a second follow-up of the same response
+        # at once) is not pinned again: this reply runs on the prefix cache alone.
+        self.conversation = conversation if conversation and conversation.turn is None else None
+        self.routing_hint = routing_hint
+        self.prompt_param = prompt_param
+        self.request_id = "api-" + uuid.uuid4().hex
+        self.token = uuid.uuid4().hex
+        self.produced = Produced()
+        self._stream: AsyncIterator[RequestOutput] | None = None
+        self._first: RequestOutput | None = None
+
+    async def begin(self) -> RequestOutput:
+        conv = self.conversation
+        if conv is not None:
+            conv.turn = self.token
+        try:
+            ids = await render(self.chat, self.messages, self.tools, conv)
+            routing = self.routing_hint or (conv.key if conv else None)
+            self._stream = self.chat.engine.generate(
+                ids,
+                self.params,
+                self.request_id,
+                conv.key if conv else None,
+                cache_salt=self.chat.cache_salt(self.principal),
+                routing_key=f"user:{routing}" if routing else None,
+            )
+            self._first = await self._stream.__anext__()
+        except ENGINE_ERRORS as exc:
+            self.close()
+            raise api_error(exc, self.prompt_param) from None
+        except BaseException:
+            self.close()
+            raise
+        return self._first
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Every output, the first included; the conversation remembers a finished reply."""
+        assert self._stream is not None and self._first is not None, "begin() first"
+        try:
+            self._add(self._first)
+            yield self._first
+            async for out in self._stream:  # leaving early (client gone) aborts it
+                self._add(out)
+                yield out
+            self._remember()
+        finally:
+            self.close()
+
+    async def collect(self) -> Produced:
+        async for _ in self.outputs():
+            pass
+        return self.produced
+
+    def _add(self, out: RequestOutput) -> None:
+        self.produced.text += out.new_text
+        self.produced.token_ids += out.new_token_ids
+        self.produced.last = out
+
+    def _remember(self) -> None:
+        """The conversation grows by the reply, and keeps the reply's ids where they
+        decode to exactly its text (as ChatService.end_turn does for /ws turns)."""
+        conv, done = self.conversation, self.produced
+        if conv is None or done.last is None or not done.last.finished:
+            return
+        if done.last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return
+        conv.messages = [*self.messages, Message("assistant", done.text)]
+        ids = list(done.token_ids)
+        if ids and ids[-1] in self.chat.eos_token_ids:
+            ids.pop()  # the template writes the end of turn itself
+        if self.chat.prompt.tokenizer.decode(ids, skip_special_tokens=True) == done.text:
+            conv.remember_reply(done.text, ids)
+
+    def close(self) -> None:
+        conv = self.conversation
+        if conv is not None and conv.turn == self.token:
+            conv.turn = None
+
+    async def aclose(self) -> None:
+        """The client went away: abort the request (openai_api._until_disconnected)."""
+        if self._stream is not None:
+            await self._stream.aclose()
+        self.close()
+
+
+async def render(
+    chat: ChatService,
+    messages: list[Message],
+    tools: ToolUse | None,
+    conversation: Conversation | None = None,
+) -> list[int]:
+    """The prompt's token ids (large histories off the event loop). A template that
+    refuses the history (roles out of order, say) is the client's error: APIError(400)."""
+    replies = conversation.replies if conversation is not None else None
+    definitions = tools.tools if tools else None
+
+    def run() -> list[int]:
+        return chat.prompt.render(messages, replies, definitions)
+
+    try:
+        return run() if renders_inline(messages) else await asyncio.to_thread(run)
+    except jinja2.TemplateError as exc:
+        raise bad(f"the chat template refused these messages: {exc}", "messages") from None
+
+
+def template_text(
+    chat: ChatService,
+    messages: list[Message],
+    tools: ToolUse | None,
+    generation_prompt: bool = True,
+) -> str:
+    """The chat template's text for `messages` (what /apply-template shows)."""
+    extra = {"tools": list(tools.tools)} if tools else {}
+    try:
+        return chat.prompt.tokenizer.apply_chat_template(
+            [m.to_dict() for m in messages],
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **extra,
+        )
+    except jinja2.TemplateError as exc:
+        raise bad(f"the chat template refused these messages: {exc}", "messages") from None
+
+
+def tool_calls(text: str, tools: ToolUse | None) -> tuple[str, list[ToolCall]]:
+    """The reply's text outside its tool calls, and the calls (none without tools)."""
+    if tools is None:
+        return text, []
+    if tools.mode == "forced":
+        return "", parse_forced_call(text)
+    content, calls = parse_tool_calls(text)
+    return content, calls if tools.parallel else calls[:1]
+
+
+def matched_stop(chat: ChatService, done: Produced, stops: Sequence[str]) -> str | None:
+    """Which stop string ended the reply, if one did: the text the reply's ids decode to
+    goes on with it where the reply was cut."""
+    last = done.last
+    if not stops or last is None or last.finish_reason is not FinishReason.STOP:
+        return None
+    if done.token_ids and done.token_ids[-1] in chat.eos_token_ids:
+        return None
+    full = chat.prompt.tokenizer.decode(done.token_ids, skip_special_tokens=True)
+    rest = full[len(done.text) :] if full.startswith(done.text) else full
+    for stop in sorted(stops, key=len, reverse=True):
+        if rest.startswith(stop):
+            return stop
+    return next((s for s in stops if s in rest), None)
+
+
+def endpoint(
+    api_of: Callable[[Request], Any],
+    handler: Callable[[Any, Request], Any],
+    error: Callable[[APIError], Response] = APIError.response,
+    path: str = "",
+    methods: tuple[str, ...] = ("POST",),
+) -> Route:
+    """A route to `handler(api, request)`, for a principal only; an APIError becomes
+    `error(err)` (the surface's own error shape)."""
+
+    async def run(request: Request) -> Response:
+        if not isinstance(request.user, Principal):
+            return error(
+                APIError(
+                    401,
+                    "a valid API key is required: Authorization: Bearer "
+                    "<key> (or x-api-key: <key>)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+            )
+        try:
+            return await handler(api_of(request), request)
+        except APIError as err:
+            return error(err)
+
+    return Route(path, run, methods=list(methods))

@@ -1,0 +1,548 @@
+"""The Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A request's `input` (a string, or message and function-call items) and `instructions`
+become a message list for the chat template; its reply comes back as output items (a
+message of output_text, function calls), as one response object or as Server-Sent Events
+(response.created ... response.completed). Every field is honoured, ignored for a stated
+reason or refused (app.server.api_fields).
+
+A stored response (`store`, the default) is what Parley does best: its conversation keeps
+its K/V pinned, so a follow-up by `previous_response_id` continues that conversation and
+computes only its new input (usage.input_tokens_details.cached_tokens says how much was
+reused). Responses are kept in this process's memory, at most MAX_STORED of them (the
+oldest go first), each in its tenant's namespace: another tenant gets a 404 as if it did
+not exist. Without API keys, knowing a response's id is what entitles a client to it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from app.chat.prompt import Message
+from app.chat.tools import ToolCall, supports_tools
+from app.engine.request import FinishReason
+from app.server.api_fields import RESPONSES_FIELDS
+from app.server.api_turn import (
+    Generation,
+    Produced,
+    check_model,
+    endpoint,
+    read_json,
+    tool_calls,
+)
+from app.server.chat_service import ChatService
+from app.server.errors import APIError
+from app.server.openai_api import _until_disconnected
+from app.server.openai_request import ToolUse, bad, request_params, tool_use
+from app.server.protocol import MAX_MESSAGES
+from app.server.security import Principal
+
+MAX_STORED = 10_000  # responses kept for GET / previous_response_id, per process
+
+
+@dataclass
+class StoredResponse:
+    """A stored response: its object, and the history a follow-up goes on from."""
+
+    id: str
+    tenant: str
+    owner: str
+    conversation_id: str  # in the ChatService's store: the pinned K/V
+    history: list[Message]  # its input history and its output (instructions excluded)
+    body: dict[str, Any]
+
+
+class ResponseStore:
+    """Stored responses by (tenant, id), oldest first. A conversation is let go (its K/V
+    unpinned) when no stored response of its chain is left."""
+
+    def __init__(self, chat: ChatService, max_stored: int = MAX_STORED) -> None:
+        self.chat = chat
+        self.max_stored = max_stored
+        self._by_key: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        self._chains: dict[tuple[str, str], int] = {}  # (tenant, conversation) -> responses
+
+    def find(self, principal: Principal, response_id: str) -> StoredResponse:
+        """Raises APIError(404) unless `principal` owns a stored response of that id."""
+        stored = self._by_key.get((principal.tenant, response_id))
+        # Without keys an API client is nobody in particular (it keeps no cookie): the
+        # response's id, 128 random bits, is what entitles a request to it.
+        if stored is None or (principal.tenant and stored.owner != principal.owner):
+            raise APIError(
+                404,
+                f"no response {response_id!r} is stored here (not stored, "
+                "deleted, or let go as the store filled)",
+                param="response_id",
+                code="not_found",
+            )
+        return stored
+
+    def put(self, stored: StoredResponse) -> None:
+        key = (stored.tenant, stored.id)
+        chain = (stored.tenant, stored.conversation_id)
+        self._by_key[key] = stored
+        self._chains[chain] = self._chains.get(chain, 0) + 1
+        while len(self._by_key) > self.max_stored:
+            self._drop(next(iter(self._by_key)))
+
+    def delete(self, stored: StoredResponse) -> None:
+        self._drop((stored.tenant, stored.id))
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        stored = self._by_key.pop(key, None)
+        if stored is None:
+            return
+        chain = (stored.tenant, stored.conversation_id)
+        left = self._chains.pop(chain, 1) - 1
+        if left > 0:
+            self._chains[chain] = left
+            return
+        conv = self.chat.store.find(*chain)
+        if conv is not None and conv.turn is None:
+            self.chat.store.delete(conv)  # frees its pinned K/V
+
+
+class ResponsesAPI:
+    """The handlers, over the app's ChatService."""
+
+    def __init__(self, chat: ChatService) -> None:
+        self.chat = chat
+        self.model_name = chat.engine.info.name
+        self.max_tokens_limit = chat.max_tokens_limit
+        self.template_has_tools = supports_tools(chat.prompt.tokenizer)
+        self.store = ResponseStore(chat)
+
+    async def create(self, request: Request) -> Response:
+        body = await read_json(request, RESPONSES_FIELDS)
+        check_model(body, self.model_name)
+        principal: Principal = request.user
+        previous = None
+        if body.get("previous_response_id") is not None:
+            if not isinstance(body["previous_response_id"], str):
+                raise bad("previous_response_id must be a string", "previous_response_id")
+            previous = self.store.find(principal, body["previous_response_id"])
+        store = body.get("store", True)
+        if not isinstance(store, bool):
+            raise bad("store must be a boolean", "store")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise bad("instructions must be a string", "instructions")
+        history = [*(previous.history if previous else []), *input_messages(body.get("input"))]
+        if len(history) > MAX_MESSAGES:
+            raise bad(f"at most {MAX_MESSAGES} messages, the previous responses' included", "input")
+        messages = [Message("system", instructions)] if instructions else []
+        messages += history
+        chat_body = _as_chat(body)
+        tools = tool_use(chat_body, self.template_has_tools)
+        params = _params(chat_body, self.max_tokens_limit, tools)
+        for name in ("user", "prompt_cache_key"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise bad(f"{name} must be a string", name)
+        if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+            raise bad("metadata must be an object", "metadata")
+        conv = None
+        chain = previous.conversation_id if previous else "response:" + uuid.uuid4().hex
+        if store:
+            conv = self.chat.store.get(principal.tenant, chain, principal.owner)
+        gen = Generation(
+            self.chat,
+            principal,
+            messages,
+            params,
+            tools,
+            conv,
+            body.get("prompt_cache_key") or body.get("user"),
+            "input",
+        )
+        shape = _Shape(self, body, tools, previous.id if previous else None)
+
+        def keep(done: Produced, response: dict[str, Any]) -> None:
+            if store and not done.failed:
+                history_out = [*history, *_output_messages(done.text, shape.calls)]
+                self.store.put(
+                    StoredResponse(
+                        response["id"],
+                        principal.tenant,
+                        principal.owner,
+                        chain,
+                        history_out,
+                        response,
+                    )
+                )
+
+        async def respond() -> Response:
+            await gen.begin()  # errors surface before any byte is sent
+            if body.get("stream"):
+                return StreamingResponse(shape.events(gen, keep), media_type="text/event-stream")
+            done = await gen.collect()
+            response = shape.final(done)
+            keep(done, response)
+            return JSONResponse(response)
+
+        if not isinstance(body.get("stream", False), bool):
+            raise bad("stream must be a boolean", "stream")
+        return await _until_disconnected(request, respond(), gen)  # type: ignore[arg-type]
+
+    async def one(self, request: Request) -> Response:
+        stored = self.store.find(request.user, request.path_params["response_id"])
+        if request.method == "DELETE":
+            self.store.delete(stored)
+            return JSONResponse({"id": stored.id, "object": "response.deleted", "deleted": True})
+        if request.query_params.get("stream") not in (None, "false"):
+            raise bad("a stored response is not streamed again: GET it without stream", "stream")
+        return JSONResponse(stored.body)
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+def input_messages(value: Any) -> list[Message]:
+    """`input` -> messages: a string is one user message; items are messages, function
+    calls (an assistant's tool_calls) and their outputs (tool messages)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [Message("user", value)]
+    if not isinstance(value, list):
+        raise bad("input must be a string or a list of items", "input")
+    out: list[Message] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise bad(f"input[{i}] must be an object", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role == "developer":
+                role = "system"
+            if role not in ("system", "user", "assistant"):
+                raise bad(f"input[{i}].role must be system, developer, user or assistant", "input")
+            out.append(Message(role, _text(item.get("content"), i)))
+        elif kind == "function_call":
+            call = _function_call(item, i)
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                out[-1] = Message("assistant", last.content, (*last.tool_calls, call))
+            else:
+                out.append(Message("assistant", "", (call,)))
+        elif kind == "function_call_output":
+            output, call_id = item.get("output"), item.get("call_id")
+            if not isinstance(output, str) or not isinstance(call_id, str):
+                raise bad(
+                    f"input[{i}]: a function_call_output has a call_id and an output string",
+                    "input",
+                )
+            out.append(Message("tool", output, tool_call_id=call_id))
+        else:
+            raise bad(
+                f"input[{i}].type {kind!r} is not supported: message, function_call "
+                "and function_call_output are",
+                "input",
+            )
+    return out
+
+
+def _text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"input[{i}].content must be a string or a list of text parts", "input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(
+            part.get("text"), str
+        ):
+            raise bad(
+                f"input[{i}].content: only text parts (input_text, output_text) are supported",
+                "input",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
+    name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+    if not all(isinstance(v, str) for v in (name, args, call_id)):
+        raise bad(f"input[{i}]: a function_call has call_id, name and arguments strings", "input")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """The Responses fields in /v1/chat/completions' shape, for its parsers."""
+    chat: dict[str, Any] = {
+        k: body.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stream")
+    }
+    chat["max_tokens"] = body.get("max_output_tokens")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("tools must be a list", "tools")
+        converted = []
+        for tool in tools:
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise bad(f"only function tools are supported, not {kind!r}", "tools")
+            fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+            converted.append({"type": "function", "function": fn})
+        chat["tools"] = converted
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise bad(
+                "tool_choice must be none, auto, required or {type: function, name}", "tool_choice"
+            )
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    chat["tool_choice"] = choice
+    chat["parallel_tool_calls"] = body.get("parallel_tool_calls")
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise bad("text must be an object", "text")
+        if text.get("verbosity") not in (None, "medium"):
+            raise bad("text.verbosity is not supported: medium only", "text")
+        fmt = text.get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
+        chat["response_format"] = fmt
+    return chat
+
+
+def _params(chat: dict[str, Any], limit: int, tools: ToolUse | None):
+    """SamplingParams, errors naming the Responses API's fields."""
+    names = {"max_tokens": "max_output_tokens", "response_format": "text"}
+    try:
+        return request_params(chat, limit, chat=True, tools=tools)
+    except APIError as err:
+        if err.param in names:
+            err.message = err.message.replace(err.param, names[err.param])
+            err.param = names[err.param]
+        raise
+
+
+def _output_messages(text: str, calls: list[ToolCall]) -> list[Message]:
+    if calls:
+        return [Message("assistant", text, tuple(c.to_dict() for c in calls))]
+    return [Message("assistant", text)]
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+class _Shape:
+    """One response's object and events, from the request and what the reply produced."""
+
+    def __init__(
+        self,
+        api: ResponsesAPI,
+        body: dict[str, Any],
+        tools: ToolUse | None,
+        previous_id: str | None,
+    ) -> None:
+        self.api = api
+        self.body = body
+        self.tools = tools
+        self.id = "resp_" + uuid.uuid4().hex
+        self.message_id = "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.previous_id = previous_id
+        self.calls: list[ToolCall] = []
+        self.seq = 0
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        done: Produced | None,
+        incomplete: str | None = None,
+    ) -> dict[str, Any]:
+        b = self.body
+        text_format = (b.get("text") or {}).get("format") or {"type": "text"}
+        error = None
+        if status == "failed":
+            error = {"code": "server_error", "message": "the engine failed this response"}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "model": self.api.model_name,
+            "output": output,
+            "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
+            "previous_response_id": self.previous_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": b.get("store", True),
+            "temperature": b.get("temperature", 1.0),
+            "text": {"format": text_format},
+            "tool_choice": b.get("tool_choice") or "auto",
+            "tools": b.get("tools") or [],
+            "top_p": b.get("top_p", 1.0),
+            "truncation": "disabled",
+            "usage": _usage(done) if done and done.last else None,
+            "user": b.get("user"),
+            "metadata": b.get("metadata") or {},
+        }
+
+    def _items(self, done: Produced) -> list[dict[str, Any]]:
+        content, self.calls = tool_calls(done.text, self.tools)
+        items = []
+        if content or not self.calls:
+            items.append(self._message(content, "completed"))
+        for call in self.calls:
+            items.append(_call_item(call))
+        return items
+
+    def _message(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [_text_part(text)]
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    def final(self, done: Produced) -> dict[str, Any]:
+        if done.failed:
+            return self.response("failed", [], done)
+        last = done.last
+        incomplete = (
+            "max_output_tokens" if last and last.finish_reason is FinishReason.LENGTH else None
+        )
+        status = "incomplete" if incomplete else "completed"
+        return self.response(status, self._items(done), done, incomplete)
+
+    # -- Server-Sent Events -----------------------------------------------------------
+
+    def _event(self, kind: str, **data: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def events(self, gen: Generation, keep) -> AsyncIterator[str]:
+        started = self.response("in_progress", [], None)
+        yield self._event("response.created", response=started)
+        yield self._event("response.in_progress", response=started)
+        at = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        streamed = self.tools is None  # with tools, the calls are parsed from the whole reply
+        if streamed:
+            yield self._event(
+                "response.output_item.added",
+                output_index=0,
+                item=self._message(None, "in_progress"),
+            )
+            yield self._event("response.content_part.added", **at, part=_text_part(""))
+        async for out in gen.outputs():
+            if streamed and out.new_text and out.finish_reason is not FinishReason.ERROR:
+                yield self._event(
+                    "response.output_text.delta", **at, delta=out.new_text, logprobs=[]
+                )
+        done = gen.produced
+        final = self.final(done)
+        if done.failed:
+            yield self._event("response.failed", response=final)
+            return
+        if streamed:
+            text = final["output"][0]["content"][0]["text"]
+            yield self._event("response.output_text.done", **at, text=text, logprobs=[])
+            yield self._event("response.content_part.done", **at, part=_text_part(text))
+            yield self._event("response.output_item.done", output_index=0, item=final["output"][0])
+        else:
+            for index, item in enumerate(final["output"]):
+                for event in self._whole_item(index, item):
+                    yield event
+        keep(done, final)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        yield self._event(kind, response=final)
+
+    def _whole_item(self, index: int, item: dict[str, Any]) -> list[str]:
+        """An item produced whole (with tools): added, its content, done."""
+        events = []
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            events.append(
+                self._event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "status": "in_progress", "content": []},
+                )
+            )
+            events.append(self._event("response.content_part.added", **at, part=_text_part("")))
+            events.append(self._event("response.output_text.delta", **at, delta=text, logprobs=[]))
+            events.append(self._event("response.output_text.done", **at, text=text, logprobs=[]))
+            events.append(self._event("response.content_part.done", **at, part=_text_part(text)))
+        else:
+            at = {"item_id": item["id"], "output_index": index}
+            events.append(
+                self._event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "arguments": "", "status": "in_progress"},
+                )
+            )
+            events.append(
+                self._event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            )
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    **at,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        events.append(self._event("response.output_item.done", output_index=index, item=item))
+        return events
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": "completed",
+    }
+
+
+def _usage(done: Produced) -> dict[str, Any]:
+    last = done.last
+    assert last is not None
+    return {
+        "input_tokens": last.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": last.cached_tokens},
+        "output_tokens": last.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": last.prompt_tokens + last.completion_tokens,
+    }
+
+
+def routes() -> list[Route]:
+    def api(request: Request) -> ResponsesAPI:
+        return request.state.responses
+
+    return [
+        endpoint(api, ResponsesAPI.create, path="/v1/responses"),
+        endpoint(
+            api, ResponsesAPI.one, path="/v1/responses/{response_id}", methods=("GET", "DELETE")
+        ),
+    ]
