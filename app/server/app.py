@@ -25,7 +25,7 @@ from starlette.templating import Jinja2Templates
 
 from app.config import ClusterConfig, EngineConfig
 from app.engine.protocol import EngineClient
-from app.server import markdown, messages, openai_api, responses
+from app.server import markdown, messages, openai_api, responses, tokenizer_api
 from app.server.chat_service import ChatConfig, ChatService
 from app.server.errors import APIError
 from app.server.hosts import HostGuard, HostPolicy
@@ -247,6 +247,7 @@ def create_app(
                 "openai": openai_api.OpenAIAPI(eng, chat.prompt, chat.cache_salt),
                 "responses": responses.ResponsesAPI(chat),
                 "messages": messages.MessagesAPI(chat),
+                "tokenizer_api": tokenizer_api.TokenizerAPI(chat),
                 "templates": templates,
                 "turns": runner,
             }
@@ -271,6 +272,7 @@ def create_app(
         *openai_api.routes(),
         *responses.routes(),
         *messages.routes(),
+        *tokenizer_api.routes(),
         *markdown.routes(),
         WebSocketRoute("/ws", ws_endpoint),
         Mount("/static", StaticFiles(directory=str(asset_dir("static"))), name="static"),
