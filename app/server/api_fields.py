@@ -65,7 +65,10 @@ RESPONSES_FIELDS: dict[str, Field] = {
     "background": _ignored(
         "responses run while their request is open: false only", lambda v: v is False
     ),
-    "reasoning": _refused("not a reasoning model"),
+    "reasoning": _honoured(
+        "effort, where the chat template offers a control (enable_thinking or "
+        "reasoning_effort), refused otherwise; <think> text comes back as reasoning items"
+    ),
     "top_logprobs": _refused("not on this surface (use /v1/chat/completions)"),
     "max_tool_calls": _refused("not supported"),
     "conversation": _refused("no Conversations API: chain responses by previous_response_id"),
@@ -107,9 +110,10 @@ MESSAGES_FIELDS: dict[str, Field] = {
     "service_tier": _ignored(
         "one tier: auto or standard_only", lambda v: v in ("auto", "standard_only")
     ),
-    "thinking": _ignored(
-        "not a reasoning model: disabled only",
-        lambda v: isinstance(v, dict) and v.get("type") == "disabled",
+    "thinking": _honoured(
+        "enabled / adaptive where the chat template offers a reasoning control (refused "
+        "otherwise), disabled; <think> text comes back as thinking blocks; budget_tokens "
+        "does not bound it (max_tokens does)"
     ),
     "container": _refused("no code execution"),
     "mcp_servers": _refused("no MCP connector"),

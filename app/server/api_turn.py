@@ -22,9 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.chat.formats import ChatFormat, Parsed, ReplyStream
 from app.chat.prompt import Message
 from app.chat.sessions import Conversation
-from app.chat.tools import ToolCall, parse_forced_call, parse_tool_calls
 from app.engine.outputs import RequestOutput
 from app.engine.request import FinishReason, SamplingParams
 from app.server import json_input
@@ -90,6 +90,7 @@ class Generation:
         conversation: Conversation | None = None,
         routing_hint: str | None = None,
         prompt_param: str = "messages",
+        template_args: dict[str, Any] | None = None,
     ) -> None:
         self.chat = chat
         self.principal = principal
@@ -101,6 +102,7 @@ class Generation:
         self.conversation = conversation if conversation and conversation.turn is None else None
         self.routing_hint = routing_hint
         self.prompt_param = prompt_param
+        self.template_args = template_args
         self.request_id = "api-" + uuid.uuid4().hex
         self.token = uuid.uuid4().hex
         self.produced = Produced()
@@ -112,7 +114,7 @@ class Generation:
         if conv is not None:
             conv.turn = self.token
         try:
-            ids = await render(self.chat, self.messages, self.tools, conv)
+            ids = await render(self.chat, self.messages, self.tools, conv, self.template_args)
             routing = self.routing_hint or (conv.key if conv else None)
             self._stream = self.chat.engine.generate(
                 ids,
@@ -186,6 +188,7 @@ async def render(
     messages: list[Message],
     tools: ToolUse | None,
     conversation: Conversation | None = None,
+    template_args: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids (large histories off the event loop). A template that
     refuses the history (roles out of order, say) is the client's error: APIError(400)."""
@@ -193,7 +196,7 @@ async def render(
     definitions = tools.tools if tools else None
 
     def run() -> list[int]:
-        return chat.prompt.render(messages, replies, definitions)
+        return chat.prompt.render(messages, replies, definitions, template_args=template_args)
 
     try:
         return run() if renders_inline(messages) else await asyncio.to_thread(run)
@@ -220,14 +223,27 @@ def template_text(
         raise bad(f"the chat template refused these messages: {exc}", "messages") from None
 
 
-def tool_calls(text: str, tools: ToolUse | None) -> tuple[str, list[ToolCall]]:
-    """The reply's text outside its tool calls, and the calls (none without tools)."""
-    if tools is None:
-        return text, []
-    if tools.mode == "forced":
-        return "", parse_forced_call(text)
-    content, calls = parse_tool_calls(text)
-    return content, calls if tools.parallel else calls[:1]
+def reply_stream(fmt: ChatFormat, tools: ToolUse | None, thinking: bool = True) -> ReplyStream:
+    """The parser of one reply: its tool calls in the model's format (one JSON call when
+    tool_choice forces it), its reasoning apart."""
+    mode = tools.mode if tools else None
+    return fmt.stream(mode, tools.parallel if tools else True, thinking)
+
+
+def parse_reply(fmt: ChatFormat, text: str, tools: ToolUse | None, thinking: bool = True) -> Parsed:
+    stream = reply_stream(fmt, tools, thinking)
+    return Parsed().add(stream.feed(text) + stream.finish())
+
+
+def reasoning_args(fmt: ChatFormat, effort: Any, param: str) -> dict[str, Any]:
+    """The template's arguments for a reasoning effort; APIError(400) where the model's
+    template offers no control over its reasoning."""
+    if effort is not None and not isinstance(effort, str):
+        raise bad(f"{param} must be a string", param)
+    try:
+        return fmt.template_args(effort)
+    except ValueError as exc:
+        raise bad(str(exc), param) from None
 
 
 def matched_stop(chat: ChatService, done: Produced, stops: Sequence[str]) -> str | None:

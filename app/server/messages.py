@@ -24,8 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.chat.formats import CallArgs, CallDone, CallStart, ChatFormat, Event, Reasoning, Text
 from app.chat.prompt import Message
-from app.chat.tools import ToolCall, supports_tools
+from app.chat.tools import supports_tools
 from app.engine.request import FinishReason
 from app.server.api_fields import COUNT_TOKENS_FIELDS, MESSAGES_FIELDS
 from app.server.api_turn import (
@@ -35,8 +36,9 @@ from app.server.api_turn import (
     endpoint,
     matched_stop,
     read_json,
+    reasoning_args,
     render,
-    tool_calls,
+    reply_stream,
 )
 from app.server.chat_service import ChatService
 from app.server.errors import APIError
@@ -70,6 +72,7 @@ class MessagesAPI:
         self.model_name = chat.engine.info.name
         self.max_tokens_limit = chat.max_tokens_limit
         self.template_has_tools = supports_tools(chat.prompt.tokenizer)
+        self.format = ChatFormat.of(chat.prompt.tokenizer)
 
     def _request(self, body: dict[str, Any]) -> tuple[list[Message], ToolUse | None]:
         check_model(body, self.model_name)
@@ -77,9 +80,24 @@ class MessagesAPI:
         tools = tool_use(_as_chat_tools(body), self.template_has_tools)
         return messages, tools
 
+    def _thinking(self, value: Any) -> tuple[dict[str, Any], bool]:
+        """The template's arguments for `thinking`, and whether the reply may think."""
+        if value is None:
+            return {}, True
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise bad("thinking.type must be enabled, disabled or adaptive", "thinking")
+        if kind == "disabled":
+            if self.format.effort_control is None:
+                return {}, True  # nothing to turn off: the model does not think aloud
+            return reasoning_args(self.format, "none", "thinking"), False
+        # budget_tokens cannot bound a template's thinking: it goes on or off, no more.
+        return reasoning_args(self.format, "medium", "thinking"), True
+
     async def create(self, request: Request) -> Response:
         body = await read_json(request, MESSAGES_FIELDS)
         messages, tools = self._request(body)
+        template_args, thinking = self._thinking(body.get("thinking"))
         if body.get("max_tokens") is None:
             raise bad("max_tokens is required", "max_tokens")
         stops = body.get("stop_sequences") or []
@@ -112,8 +130,9 @@ class MessagesAPI:
             tools,
             None,
             hint if isinstance(hint, str) else None,
+            template_args=template_args,
         )
-        shape = _Shape(self, tools, stops)
+        shape = _Shape(self, tools, stops, thinking)
 
         async def respond() -> Response:
             first = await gen.begin()  # errors surface before any byte is sent
@@ -122,17 +141,15 @@ class MessagesAPI:
                     shape.events(gen, first.prompt_tokens, first.cached_tokens),
                     media_type="text/event-stream",
                 )
-            done = await gen.collect()
-            if done.failed:
-                raise APIError(500, "the engine failed this request", "server_error")
-            return JSONResponse(shape.message(done))
+            return JSONResponse(await shape.message(gen))
 
         return await _until_disconnected(request, respond(), gen)  # type: ignore[arg-type]
 
     async def count_tokens(self, request: Request) -> Response:
         body = await read_json(request, COUNT_TOKENS_FIELDS)
         messages, tools = self._request(body)
-        ids = await render(self.chat, messages, tools)
+        template_args, _ = self._thinking(body.get("thinking"))
+        ids = await render(self.chat, messages, tools, None, template_args)
         return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -256,27 +273,16 @@ def _as_chat_tools(body: dict[str, Any]) -> dict[str, Any]:
 class _Shape:
     """One reply's message and events."""
 
-    def __init__(self, api: MessagesAPI, tools: ToolUse | None, stops: list[str]) -> None:
+    def __init__(
+        self, api: MessagesAPI, tools: ToolUse | None, stops: list[str], thinking: bool
+    ) -> None:
         self.api = api
         self.tools = tools
         self.stops = stops
+        self.thinking = thinking
         self.id = "msg_" + uuid.uuid4().hex
 
-    def _blocks(self, done: Produced) -> tuple[list[dict[str, Any]], list[ToolCall]]:
-        content, calls = tool_calls(done.text, self.tools)
-        blocks = [{"type": "text", "text": content}] if content or not calls else []
-        for call in calls:
-            blocks.append(
-                {
-                    "type": "tool_use",
-                    "id": "toolu_" + call.id.removeprefix("call_"),
-                    "name": call.name,
-                    "input": _input(call),
-                }
-            )
-        return blocks, calls
-
-    def _stop(self, done: Produced, calls: list[ToolCall]) -> tuple[str, str | None]:
+    def _stop(self, done: Produced, calls: bool) -> tuple[str, str | None]:
         last = done.last
         assert last is not None
         if calls:
@@ -298,42 +304,44 @@ class _Shape:
             "usage": usage,
         }
 
-    def message(self, done: Produced) -> dict[str, Any]:
-        blocks, calls = self._blocks(done)
-        reason, stop = self._stop(done, calls)
-        assert done.last is not None
+    async def message(self, gen: Generation) -> dict[str, Any]:
+        done = await gen.collect()
+        if done.failed or done.last is None:
+            raise APIError(500, "the engine failed this request", "server_error")
+        blocks = _Blocks()
+        stream = reply_stream(self.api.format, self.tools, self.thinking)
+        for event in stream.feed(done.text) + stream.finish():
+            blocks.apply(event)
+        blocks.close()
+        reason, stop = self._stop(done, blocks.has_calls)
+        last = done.last
         out = self._head(
-            blocks,
-            _usage(done.last.prompt_tokens, done.last.cached_tokens, done.last.completion_tokens),
+            blocks.content, _usage(last.prompt_tokens, last.cached_tokens, last.completion_tokens)
         )
         return {**out, "stop_reason": reason, "stop_sequence": stop}
 
     async def events(self, gen: Generation, prompt: int, cached: int) -> AsyncIterator[str]:
         yield _event("message_start", message=self._head([], _usage(prompt, cached, 0)))
-        streamed = self.tools is None  # with tools, the calls are parsed from the whole reply
-        if streamed:
-            yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
         yield _event("ping")
+        blocks = _Blocks()
+        stream = reply_stream(self.api.format, self.tools, self.thinking)
         async for out in gen.outputs():
-            if streamed and out.new_text and out.finish_reason is not FinishReason.ERROR:
-                yield _event(
-                    "content_block_delta",
-                    index=0,
-                    delta={"type": "text_delta", "text": out.new_text},
-                )
+            if out.finish_reason is FinishReason.ERROR:
+                break
+            for event in stream.feed(out.new_text):
+                for line in blocks.apply(event):
+                    yield line
         done = gen.produced
         if done.failed or done.last is None:
             error = {"type": "api_error", "message": "the engine failed this request"}
             yield _event("error", error=error)
             return
-        blocks, calls = self._blocks(done)
-        if streamed:
-            yield _event("content_block_stop", index=0)
-        else:
-            for index, block in enumerate(blocks):
-                for event in _whole_block(index, block):
-                    yield event
-        reason, stop = self._stop(done, calls)
+        for event in stream.finish():
+            for line in blocks.apply(event):
+                yield line
+        for line in blocks.close():
+            yield line
+        reason, stop = self._stop(done, blocks.has_calls)
         yield _event(
             "message_delta",
             delta={"stop_reason": reason, "stop_sequence": stop},
@@ -342,19 +350,72 @@ class _Shape:
         yield _event("message_stop")
 
 
-def _whole_block(index: int, block: dict[str, Any]) -> list[str]:
-    """A block produced whole (with tools): start, one delta, stop."""
-    if block["type"] == "text":
-        start = {"type": "text", "text": ""}
-        delta = {"type": "text_delta", "text": block["text"]}
-    else:
-        start = {**block, "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-    return [
-        _event("content_block_start", index=index, content_block=start),
-        _event("content_block_delta", index=index, delta=delta),
-        _event("content_block_stop", index=index),
-    ]
+class _Blocks:
+    """Content blocks as the reply's events arrive (thinking, text, tool_use), with the
+    events that stream them."""
+
+    def __init__(self) -> None:
+        self.content: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # call index -> its block
+        self._json: dict[int, str] = {}  # call index -> its arguments so far
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls)
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        lines = self.close(at_end=False)
+        self.content.append(block)
+        self.open = block
+        shown = {**block, "input": {}} if block["type"] == "tool_use" else dict(block)
+        return [
+            *lines,
+            _event("content_block_start", index=len(self.content) - 1, content_block=shown),
+        ]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return _event("content_block_delta", index=len(self.content) - 1, delta=delta)
+
+    def apply(self, event: Event) -> list[str]:
+        if isinstance(event, Reasoning):
+            lines = []
+            if self.open is None or self.open["type"] != "thinking":
+                lines = self._start({"type": "thinking", "thinking": "", "signature": ""})
+            assert self.open is not None
+            self.open["thinking"] += event.text
+            return [*lines, self._delta({"type": "thinking_delta", "thinking": event.text})]
+        if isinstance(event, Text):
+            lines = []
+            if self.open is None or self.open["type"] != "text":
+                lines = self._start({"type": "text", "text": ""})
+            assert self.open is not None
+            self.open["text"] += event.text
+            return [*lines, self._delta({"type": "text_delta", "text": event.text})]
+        if isinstance(event, CallStart):
+            block = {
+                "type": "tool_use",
+                "id": "toolu_" + event.id.removeprefix("call_"),
+                "name": event.name,
+                "input": {},
+            }
+            self.calls[event.index] = block
+            self._json[event.index] = ""
+            return self._start(block)
+        if isinstance(event, CallArgs):
+            self._json[event.index] += event.text
+            return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
+        assert isinstance(event, CallDone)
+        self.calls[event.index]["input"] = _input(event.call.arguments)
+        return self.close(at_end=False)
+
+    def close(self, at_end: bool = True) -> list[str]:
+        block, self.open = self.open, None
+        if block is None:
+            if at_end and not self.content:  # an empty reply: one empty text block
+                return [*self._start({"type": "text", "text": ""}), *self.close()]
+            return []
+        return [_event("content_block_stop", index=self.content.index(block))]
 
 
 def _event(kind: str, **data: Any) -> str:
@@ -362,9 +423,9 @@ def _event(kind: str, **data: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _input(call: ToolCall) -> dict[str, Any]:
+def _input(arguments: str) -> dict[str, Any]:
     try:
-        value = json.loads(call.arguments)
+        value = json.loads(arguments)
     except json.JSONDecodeError:
         return {}
     return value if isinstance(value, dict) else {}

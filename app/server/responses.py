@@ -28,6 +28,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.chat.formats import (
+    CallArgs,
+    CallDone,
+    CallStart,
+    ChatFormat,
+    Event,
+    Parsed,
+    Reasoning,
+    Text,
+)
 from app.chat.prompt import Message
 from app.chat.tools import ToolCall, supports_tools
 from app.engine.request import FinishReason
@@ -38,7 +48,8 @@ from app.server.api_turn import (
     check_model,
     endpoint,
     read_json,
-    tool_calls,
+    reasoning_args,
+    reply_stream,
 )
 from app.server.chat_service import ChatService
 from app.server.errors import APIError
@@ -120,6 +131,7 @@ class ResponsesAPI:
         self.model_name = chat.engine.info.name
         self.max_tokens_limit = chat.max_tokens_limit
         self.template_has_tools = supports_tools(chat.prompt.tokenizer)
+        self.format = ChatFormat.of(chat.prompt.tokenizer)
         self.store = ResponseStore(chat)
 
     async def create(self, request: Request) -> Response:
@@ -150,6 +162,12 @@ class ResponsesAPI:
                 raise bad(f"{name} must be a string", name)
         if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
             raise bad("metadata must be an object", "metadata")
+        reasoning = body.get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, dict):
+            raise bad("reasoning must be an object", "reasoning")
+        effort = (reasoning or {}).get("effort")
+        template_args = reasoning_args(self.format, effort, "reasoning")
+        thinking = effort not in ("none", "minimal")
         conv = None
         chain = previous.conversation_id if previous else "response:" + uuid.uuid4().hex
         if store:
@@ -163,12 +181,14 @@ class ResponsesAPI:
             conv,
             body.get("prompt_cache_key") or body.get("user"),
             "input",
+            template_args,
         )
-        shape = _Shape(self, body, tools, previous.id if previous else None)
+        shape = _Shape(self, body, tools, previous.id if previous else None, thinking)
 
         def keep(done: Produced, response: dict[str, Any]) -> None:
             if store and not done.failed:
-                history_out = [*history, *_output_messages(done.text, shape.calls)]
+                reply = shape.parsed
+                history_out = [*history, *_output_messages(reply.content, reply.calls)]
                 self.store.put(
                     StoredResponse(
                         response["id"],
@@ -184,8 +204,7 @@ class ResponsesAPI:
             await gen.begin()  # errors surface before any byte is sent
             if body.get("stream"):
                 return StreamingResponse(shape.events(gen, keep), media_type="text/event-stream")
-            done = await gen.collect()
-            response = shape.final(done)
+            done, response = await shape.whole(gen)
             keep(done, response)
             return JSONResponse(response)
 
@@ -347,16 +366,16 @@ class _Shape:
         body: dict[str, Any],
         tools: ToolUse | None,
         previous_id: str | None,
+        thinking: bool,
     ) -> None:
         self.api = api
         self.body = body
         self.tools = tools
+        self.thinking = thinking
         self.id = "resp_" + uuid.uuid4().hex
-        self.message_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.previous_id = previous_id
-        self.calls: list[ToolCall] = []
-        self.seq = 0
+        self.parsed = Parsed()
 
     def response(
         self,
@@ -370,6 +389,7 @@ class _Shape:
         error = None
         if status == "failed":
             error = {"code": "server_error", "message": "the engine failed this response"}
+        effort = (b.get("reasoning") or {}).get("effort")
         return {
             "id": self.id,
             "object": "response",
@@ -383,7 +403,7 @@ class _Shape:
             "output": output,
             "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
             "previous_response_id": self.previous_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": effort, "summary": None},
             "store": b.get("store", True),
             "temperature": b.get("temperature", 1.0),
             "text": {"format": text_format},
@@ -391,149 +411,211 @@ class _Shape:
             "tools": b.get("tools") or [],
             "top_p": b.get("top_p", 1.0),
             "truncation": "disabled",
-            "usage": _usage(done) if done and done.last else None,
+            "usage": self._usage(done) if done and done.last else None,
             "user": b.get("user"),
             "metadata": b.get("metadata") or {},
         }
 
-    def _items(self, done: Produced) -> list[dict[str, Any]]:
-        content, self.calls = tool_calls(done.text, self.tools)
-        items = []
-        if content or not self.calls:
-            items.append(self._message(content, "completed"))
-        for call in self.calls:
-            items.append(_call_item(call))
-        return items
-
-    def _message(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [_text_part(text)]
+    def _usage(self, done: Produced) -> dict[str, Any]:
+        last = done.last
+        assert last is not None
+        # Reasoning tokens: those of the reasoning text (near enough: the <think> markers
+        # and a token that straddles its end are not counted).
+        reasoning = self.parsed.reasoning
+        tokenizer = self.api.chat.prompt.tokenizer
+        thought = len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         return {
-            "type": "message",
-            "id": self.message_id,
-            "status": status,
-            "role": "assistant",
-            "content": content,
+            "input_tokens": last.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": last.cached_tokens},
+            "output_tokens": last.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(thought, last.completion_tokens)},
+            "total_tokens": last.prompt_tokens + last.completion_tokens,
         }
 
-    def final(self, done: Produced) -> dict[str, Any]:
+    def final(self, done: Produced, output: list[dict[str, Any]]) -> dict[str, Any]:
         if done.failed:
             return self.response("failed", [], done)
         last = done.last
-        incomplete = (
-            "max_output_tokens" if last and last.finish_reason is FinishReason.LENGTH else None
-        )
-        status = "incomplete" if incomplete else "completed"
-        return self.response(status, self._items(done), done, incomplete)
+        cut = last is not None and last.finish_reason is FinishReason.LENGTH
+        incomplete = "max_output_tokens" if cut else None
+        return self.response("incomplete" if cut else "completed", output, done, incomplete)
 
-    # -- Server-Sent Events -----------------------------------------------------------
+    async def whole(self, gen: Generation) -> tuple[Produced, dict[str, Any]]:
+        done = await gen.collect()
+        items = _Items(self)
+        stream = reply_stream(self.api.format, self.tools, self.thinking)
+        for event in stream.feed(done.text) + stream.finish():
+            items.apply(event)
+        items.close()
+        return done, self.final(done, items.output)
 
-    def _event(self, kind: str, **data: Any) -> str:
+    async def events(self, gen: Generation, keep) -> AsyncIterator[str]:
+        items = _Items(self)
+        started = self.response("in_progress", [], None)
+        yield items.sse("response.created", response=started)
+        yield items.sse("response.in_progress", response=started)
+        stream = reply_stream(self.api.format, self.tools, self.thinking)
+        async for out in gen.outputs():
+            if out.finish_reason is FinishReason.ERROR:
+                break
+            for event in stream.feed(out.new_text):
+                for line in items.apply(event):
+                    yield line
+        done = gen.produced
+        if done.failed:
+            yield items.sse("response.failed", response=self.final(done, []))
+            return
+        for event in stream.finish():
+            for line in items.apply(event):
+                yield line
+        for line in items.close():
+            yield line
+        final = self.final(done, items.output)
+        keep(done, final)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        yield items.sse(kind, response=final)
+
+
+class _Items:
+    """Output items as the reply's events arrive (reasoning, a message, function calls),
+    with the Server-Sent Events that announce them."""
+
+    def __init__(self, shape: _Shape) -> None:
+        self.shape = shape
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the reasoning or message item being written
+        self.calls: dict[int, dict[str, Any]] = {}  # call index -> its item
+        self.seq = 0
+
+    def sse(self, kind: str, **data: Any) -> str:
         payload = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    async def events(self, gen: Generation, keep) -> AsyncIterator[str]:
-        started = self.response("in_progress", [], None)
-        yield self._event("response.created", response=started)
-        yield self._event("response.in_progress", response=started)
-        at = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        streamed = self.tools is None  # with tools, the calls are parsed from the whole reply
-        if streamed:
-            yield self._event(
-                "response.output_item.added",
-                output_index=0,
-                item=self._message(None, "in_progress"),
-            )
-            yield self._event("response.content_part.added", **at, part=_text_part(""))
-        async for out in gen.outputs():
-            if streamed and out.new_text and out.finish_reason is not FinishReason.ERROR:
-                yield self._event(
-                    "response.output_text.delta", **at, delta=out.new_text, logprobs=[]
-                )
-        done = gen.produced
-        final = self.final(done)
-        if done.failed:
-            yield self._event("response.failed", response=final)
-            return
-        if streamed:
-            text = final["output"][0]["content"][0]["text"]
-            yield self._event("response.output_text.done", **at, text=text, logprobs=[])
-            yield self._event("response.content_part.done", **at, part=_text_part(text))
-            yield self._event("response.output_item.done", output_index=0, item=final["output"][0])
-        else:
-            for index, item in enumerate(final["output"]):
-                for event in self._whole_item(index, item):
-                    yield event
-        keep(done, final)
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        yield self._event(kind, response=final)
+    def _add(self, item: dict[str, Any]) -> list[str]:
+        self.output.append(item)
+        shown = {**item, "content": []} if "content" in item else dict(item)
+        return [
+            self.sse("response.output_item.added", output_index=len(self.output) - 1, item=shown)
+        ]
 
-    def _whole_item(self, index: int, item: dict[str, Any]) -> list[str]:
-        """An item produced whole (with tools): added, its content, done."""
-        events = []
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            at = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            events.append(
-                self._event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "status": "in_progress", "content": []},
-                )
-            )
-            events.append(self._event("response.content_part.added", **at, part=_text_part("")))
-            events.append(self._event("response.output_text.delta", **at, delta=text, logprobs=[]))
-            events.append(self._event("response.output_text.done", **at, text=text, logprobs=[]))
-            events.append(self._event("response.content_part.done", **at, part=_text_part(text)))
+    def _done(self, item: dict[str, Any]) -> str:
+        item["status"] = "completed"
+        return self.sse(
+            "response.output_item.done", output_index=self.output.index(item), item=item
+        )
+
+    def _at(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
+
+    def _open(self, kind: str) -> list[str]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        lines = self.close(at_end=False)
+        if kind == "reasoning":
+            item = {
+                "type": "reasoning",
+                "id": "rs_" + uuid.uuid4().hex,
+                "summary": [],
+                "content": [_reasoning_part("")],
+                "status": "in_progress",
+            }
+            lines += self._add(item)
         else:
-            at = {"item_id": item["id"], "output_index": index}
-            events.append(
-                self._event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "arguments": "", "status": "in_progress"},
-                )
+            item = {
+                "type": "message",
+                "id": "msg_" + uuid.uuid4().hex,
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [_text_part("")],
+            }
+            lines += self._add(item)
+            lines.append(
+                self.sse("response.content_part.added", **self._at(item), part=_text_part(""))
             )
-            events.append(
-                self._event("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            )
-            events.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    **at,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            )
-        events.append(self._event("response.output_item.done", output_index=index, item=item))
-        return events
+        self.open = item
+        return lines
+
+    def apply(self, event: Event) -> list[str]:
+        self.shape.parsed.add([event])
+        if isinstance(event, Reasoning):
+            lines = self._open("reasoning")
+            assert self.open is not None
+            self.open["content"][0]["text"] += event.text
+            return [
+                *lines,
+                self.sse("response.reasoning_text.delta", **self._at(self.open), delta=event.text),
+            ]
+        if isinstance(event, Text):
+            lines = self._open("message")
+            assert self.open is not None
+            self.open["content"][0]["text"] += event.text
+            return [
+                *lines,
+                self.sse(
+                    "response.output_text.delta",
+                    **self._at(self.open),
+                    delta=event.text,
+                    logprobs=[],
+                ),
+            ]
+        if isinstance(event, CallStart):
+            lines = self.close(at_end=False)
+            item = {
+                "type": "function_call",
+                "id": "fc_" + event.id.removeprefix("call_"),
+                "call_id": event.id,
+                "name": event.name,
+                "arguments": "",
+                "status": "in_progress",
+            }
+            self.calls[event.index] = item
+            return lines + self._add(item)
+        if isinstance(event, CallArgs):
+            item = self.calls[event.index]
+            item["arguments"] += event.text
+            at = {"item_id": item["id"], "output_index": self.output.index(item)}
+            return [self.sse("response.function_call_arguments.delta", **at, delta=event.text)]
+        assert isinstance(event, CallDone)
+        item = self.calls[event.index]
+        item["arguments"] = event.call.arguments
+        at = {"item_id": item["id"], "output_index": self.output.index(item)}
+        return [
+            self.sse(
+                "response.function_call_arguments.done",
+                **at,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self._done(item),
+        ]
+
+    def close(self, at_end: bool = True) -> list[str]:
+        """End the item being written. At the reply's end, a reply with nothing in it
+        is one empty message."""
+        item, self.open = self.open, None
+        if item is None:
+            if at_end and not self.output:
+                return [*self._open("message"), *self.close()]
+            return []
+        text = item["content"][0]["text"]
+        at = self._at(item)
+        if item["type"] == "reasoning":
+            lines = [self.sse("response.reasoning_text.done", **at, text=text)]
+        else:
+            lines = [
+                self.sse("response.output_text.done", **at, text=text, logprobs=[]),
+                self.sse("response.content_part.done", **at, part=_text_part(text)),
+            ]
+        return [*lines, self._done(item)]
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _call_item(call: ToolCall) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": "fc_" + call.id.removeprefix("call_"),
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-        "status": "completed",
-    }
-
-
-def _usage(done: Produced) -> dict[str, Any]:
-    last = done.last
-    assert last is not None
-    return {
-        "input_tokens": last.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": last.cached_tokens},
-        "output_tokens": last.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
-    }
 
 
 def routes() -> list[Route]:
