@@ -48,7 +48,8 @@ class JsonCall:
         self.raw += text
         if self.name is None:
             m = _HEAD.match(self.raw)
-            if m is not None:
+            # Known once the value has begun: space after the colon may still be coming.
+            if m is not None and m.end() < len(self.raw):
                 self.name = json.loads(f'"{m.group(1)}"')
                 self._args_at = m.end()
                 events.append(CallStart(self.index, self.id, self.name))
