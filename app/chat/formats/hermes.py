@@ -59,7 +59,7 @@ class HermesCalls:
     def _text(self, text: str) -> list[Event]:
         """Text to send. Whitespace at the start of the reply is dropped, and trailing
         whitespace waits for what follows: space before a call or at the end of the
-        reply is not content (as parse_tool_calls strips it)."""
+        reply is not content."""
         if not self._started:
             text = text.lstrip()
         body = text.rstrip()
