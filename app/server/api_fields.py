@@ -67,7 +67,7 @@ RESPONSES_FIELDS: dict[str, Field] = {
     ),
     "reasoning": _honoured(
         "effort, where the chat template offers a control (enable_thinking or "
-        "reasoning_effort), refused otherwise; <think> text comes back as reasoning items"
+        "reasoning_effort), refused otherwise; the think-tag text comes back as reasoning items"
     ),
     "top_logprobs": _refused("not on this surface (use /v1/chat/completions)"),
     "max_tool_calls": _refused("not supported"),
@@ -112,7 +112,7 @@ MESSAGES_FIELDS: dict[str, Field] = {
     ),
     "thinking": _honoured(
         "enabled / adaptive where the chat template offers a reasoning control (refused "
-        "otherwise), disabled; <think> text comes back as thinking blocks; budget_tokens "
+        "otherwise), disabled; the think-tag text comes back as thinking blocks; budget_tokens "
         "does not bound it (max_tokens does)"
     ),
     "container": _refused("no code execution"),

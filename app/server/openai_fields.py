@@ -84,7 +84,7 @@ CHAT_FIELDS: dict[str, Field] = {
     "function_call": _refused("deprecated: use tool_choice"),
     "reasoning_effort": _honoured(
         "where the chat template offers a control (enable_thinking or reasoning_effort), "
-        "refused otherwise; <think> text comes back as reasoning_content"
+        "refused otherwise; the think-tag text comes back as reasoning_content"
     ),
     "verbosity": _refused("not supported"),
     "web_search_options": _refused("no web search"),
