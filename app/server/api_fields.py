@@ -67,7 +67,8 @@ RESPONSES_FIELDS: dict[str, Field] = {
     ),
     "reasoning": _honoured(
         "effort, where the chat template offers a control (enable_thinking or "
-        "reasoning_effort), refused otherwise; the think-tag text comes back as reasoning items"
+        "reasoning_effort), refused otherwise; the think-tag text comes back as reasoning "
+        "items (summary: none is written)"
     ),
     "top_logprobs": _refused("not on this surface (use /v1/chat/completions)"),
     "max_tool_calls": _refused("not supported"),
