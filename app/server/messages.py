@@ -112,11 +112,10 @@ class MessagesAPI:
             raise
         if not isinstance(body.get("stream", False), bool):
             raise bad("stream must be a boolean", "stream")
-        hint = (
-            (body.get("metadata") or {}).get("user_id")
-            if isinstance(body.get("metadata"), dict)
-            else None
-        )
+        metadata = body.get("metadata") or {}
+        hint = metadata.get("user_id") if isinstance(metadata, dict) else None
+        if not isinstance(metadata, dict) or not isinstance(hint, str | None):
+            raise bad("metadata must be an object; its user_id a string", "metadata")
         gen = Generation(
             self.chat,
             request.user,
@@ -124,7 +123,7 @@ class MessagesAPI:
             params,
             tools,
             None,
-            hint if isinstance(hint, str) else None,
+            hint,
             template_args=template_args,
         )
         shape = MessageShape(self, tools, stops, thinking)

@@ -142,6 +142,8 @@ def test_messages_refuse_naming_the_field(client, name):
         {"tool_choice": {"type": "any"}},  # without tools
         {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
         {"service_tier": "priority"},
+        {"metadata": "tags"},
+        {"metadata": {"user_id": 5}},
         {"frobnicate": 1},
     ],
 )
