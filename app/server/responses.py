@@ -58,6 +58,7 @@ class StoredResponse:
     conversation_id: str  # in the ChatService's store: the pinned K/V
     history: list[Message]  # its input history and its output (instructions excluded)
     body: dict[str, Any]
+    input_items: list[dict[str, Any]]  # this request's input, as items with ids
 
 
 class ResponseStore:
@@ -184,6 +185,7 @@ class ResponsesAPI:
                         chain,
                         history_out,
                         response,
+                        input_items(body.get("input")),
                     )
                 )
 
@@ -204,12 +206,64 @@ class ResponsesAPI:
         if request.method == "DELETE":
             self.store.delete(stored)
             return JSONResponse({"id": stored.id, "object": "response.deleted", "deleted": True})
+        if request.url.path.endswith("/input_items"):
+            return JSONResponse(_page(stored.input_items, request.query_params))
         if request.query_params.get("stream") not in (None, "false"):
             raise bad("a stored response is not streamed again: GET it without stream", "stream")
         return JSONResponse(stored.body)
 
 
 # -- requests ------------------------------------------------------------------------------
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """A request's (valid) `input` as the items /input_items lists, each with an id."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    items = []
+    for item in value or []:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                content = [{"type": part, "text": content}]
+            out = {
+                "type": "message",
+                "id": item.get("id") or "msg_" + uuid.uuid4().hex,
+                "role": item["role"],
+                "status": "completed",
+                "content": content,
+            }
+        else:
+            prefix = "fc_" if kind == "function_call" else "fco_"
+            out = {**item, "id": item.get("id") or prefix + uuid.uuid4().hex, "status": "completed"}
+        items.append(out)
+    return items
+
+
+def _page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
+    """One page of a list, as OpenAI's list endpoints answer: `order` (desc by
+    default), `limit` (1-100, 20 by default), `after` an item id."""
+    order, limit, after = query.get("order", "desc"), query.get("limit", "20"), query.get("after")
+    if order not in ("asc", "desc"):
+        raise bad("order must be asc or desc", "order")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise bad("limit must be an integer in [1, 100]", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [i["id"] for i in ordered]
+        if after not in ids:
+            raise bad(f"after names no item of this response: {after!r}", "after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[: int(limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > len(page),
+    }
 
 
 def input_messages(value: Any) -> list[Message]:
@@ -352,5 +406,8 @@ def routes() -> list[Route]:
         endpoint(api, ResponsesAPI.create, path="/v1/responses"),
         endpoint(
             api, ResponsesAPI.one, path="/v1/responses/{response_id}", methods=("GET", "DELETE")
+        ),
+        endpoint(
+            api, ResponsesAPI.one, path="/v1/responses/{response_id}/input_items", methods=("GET",)
         ),
     ]

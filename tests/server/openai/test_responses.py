@@ -177,3 +177,19 @@ def test_a_response_belongs_to_its_tenant(keyed):
         b.responses.delete(out.id)
     follow = a.responses.create(input="Again.", previous_response_id=out.id, **GREEDY)
     assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_input_items_list_the_requests_input(client):
+    items = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": "Hello Ada!"},
+        {"role": "user", "content": [{"type": "input_text", "text": "My name?"}]},
+    ]
+    out = client.responses.create(input=items, **GREEDY)
+    listed = client.responses.input_items.list(out.id, order="asc")
+    assert [i.role for i in listed.data] == ["user", "assistant", "user"]
+    assert listed.data[2].content[0].text == "My name?" and all(i.id for i in listed.data)
+    newest = client.responses.input_items.list(out.id, limit=1)
+    assert newest.data[0].id == listed.data[2].id and newest.has_more
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(out.id, limit=0)
