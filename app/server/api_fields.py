@@ -56,8 +56,9 @@ RESPONSES_FIELDS: dict[str, Field] = {
     "metadata": _honoured("kept with the response and returned as given"),
     "user": _honoured("a routing hint: with --replicas, a user's requests go where its K/V is"),
     "prompt_cache_key": _honoured("a routing hint, as user (prefix caching is automatic)"),
-    "truncation": _ignored(
-        "disabled only: a history too long is an error", lambda v: v == "disabled"
+    "truncation": _honoured(
+        "disabled (default): a history too long for the window is context_length_exceeded; "
+        "auto: the oldest turns after the system prompt give way"
     ),
     "safety_identifier": _ignored("no per-user accounting", lambda v: True),
     "service_tier": _ignored("one tier: auto or default only", lambda v: v in ("auto", "default")),

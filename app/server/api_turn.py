@@ -25,6 +25,7 @@ from starlette.routing import Route
 from app.chat.formats import ChatFormat, Parsed, ReplyStream
 from app.chat.prompt import Message
 from app.chat.sessions import Conversation
+from app.chat.window import HistoryTooLong, fit, reply_room
 from app.engine.outputs import RequestOutput
 from app.engine.request import FinishReason, SamplingParams
 from app.server import json_input
@@ -91,6 +92,7 @@ class Generation:
         routing_hint: str | None = None,
         prompt_param: str = "messages",
         template_args: dict[str, Any] | None = None,
+        truncate: bool = False,
     ) -> None:
         self.chat = chat
         self.principal = principal
@@ -103,6 +105,7 @@ class Generation:
         self.routing_hint = routing_hint
         self.prompt_param = prompt_param
         self.template_args = template_args
+        self.truncate = truncate  # drop the oldest turns where the window is full
         self.request_id = "api-" + uuid.uuid4().hex
         self.token = uuid.uuid4().hex
         self.produced = Produced()
@@ -114,7 +117,10 @@ class Generation:
         if conv is not None:
             conv.turn = self.token
         try:
-            ids = await render(self.chat, self.messages, self.tools, conv, self.template_args)
+            limit = (self.params.max_tokens or 0) if self.truncate else None
+            ids = await render(
+                self.chat, self.messages, self.tools, conv, self.template_args, limit
+            )
             routing = self.routing_hint or (conv.key if conv else None)
             self._stream = self.chat.engine.generate(
                 ids,
@@ -189,14 +195,27 @@ async def render(
     tools: ToolUse | None,
     conversation: Conversation | None = None,
     template_args: dict[str, Any] | None = None,
+    truncate_for: int | None = None,
 ) -> list[int]:
-    """The prompt's token ids (large histories off the event loop). A template that
-    refuses the history (roles out of order, say) is the client's error: APIError(400)."""
+    """The prompt's token ids (large histories off the event loop). With `truncate_for`
+    (the reply's max_tokens, 0 for none), the oldest turns after the system prompt give way
+    where the history outgrows the window (app.chat.window). A template that refuses the
+    history (roles out of order, say) is the client's error: APIError(400)."""
     replies = conversation.replies if conversation is not None else None
     definitions = tools.tools if tools else None
 
+    def render_some(some: list[Message]) -> list[int]:
+        return chat.prompt.render(some, replies, definitions, template_args=template_args)
+
     def run() -> list[int]:
-        return chat.prompt.render(messages, replies, definitions, template_args=template_args)
+        if truncate_for is None:
+            return render_some(messages)
+        window = chat.max_model_len
+        room = reply_room(truncate_for or None, window)
+        try:
+            return fit(messages, render_some, window, room, truncate=True).prompt_ids
+        except HistoryTooLong as exc:
+            raise APIError(400, str(exc), param="input", code="context_length_exceeded") from None
 
     try:
         return run() if renders_inline(messages) else await asyncio.to_thread(run)

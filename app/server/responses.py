@@ -170,6 +170,7 @@ class ResponsesAPI:
             body.get("prompt_cache_key") or body.get("user"),
             "input",
             template_args,
+            body.get("truncation") == "auto",
         )
         shape = ResponseShape(self, body, tools, previous.id if previous else None, thinking)
 
@@ -197,6 +198,8 @@ class ResponsesAPI:
             keep(done, response)
             return JSONResponse(response)
 
+        if body.get("truncation") not in (None, "disabled", "auto"):
+            raise bad('truncation must be "disabled" (the default) or "auto"', "truncation")
         if not isinstance(body.get("stream", False), bool):
             raise bad("stream must be a boolean", "stream")
         return await _until_disconnected(request, respond(), gen)  # type: ignore[arg-type]

@@ -72,7 +72,7 @@ class ResponseShape:
             "tool_choice": b.get("tool_choice") or "auto",
             "tools": b.get("tools") or [],
             "top_p": b.get("top_p", 1.0),
-            "truncation": "disabled",
+            "truncation": b.get("truncation") or "disabled",
             "usage": self._usage(done) if done and done.last else None,
             "user": b.get("user"),
             "metadata": b.get("metadata") or {},

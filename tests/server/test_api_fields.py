@@ -77,7 +77,7 @@ def test_responses_refuse_naming_the_field(client, name):
     [
         ({"frobnicate": 1}, "frobnicate"),
         ({"store": "yes"}, "store"),
-        ({"truncation": "auto"}, "truncation"),
+        ({"truncation": "sometimes"}, "truncation"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"background": True}, "background"),
         ({"service_tier": "priority"}, "service_tier"),
@@ -100,6 +100,23 @@ def test_responses_bad_values_are_clear_errors(client, body, param):
     r = respond(client, **body)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_responses_truncation_auto_drops_the_oldest_turns(client, tokenizer):
+    turn = "word " * 300  # ~300 tokens a message: 8 of them outgrow the fake's 2048
+    items = []
+    for i in range(4):
+        items += [
+            {"role": "user", "content": f"{i} {turn}"},
+            {"role": "assistant", "content": turn},
+        ]
+    items.append({"role": "user", "content": "last"})
+    too_long = respond(client, input=items)
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    r = respond(client, input=items, truncation="auto", max_output_tokens=16)
+    assert r.status_code == 200, r.text
+    assert r.json()["truncation"] == "auto" and r.json()["usage"]["input_tokens"] < 2048
 
 
 def test_responses_ignored_fields_pass_with_their_accepted_values(client):

@@ -120,7 +120,6 @@ def test_streamed_response_is_stored(client):
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
         ({"text": {"format": {"type": "yaml"}}}, "text"),
-        ({"truncation": "auto"}, "truncation"),
     ],
 )
 def test_unsupported_is_a_clear_400(client, kwargs, param):
