@@ -4,6 +4,7 @@ and the Server-Sent Events that stream each block as the reply's format parser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -74,12 +75,15 @@ class MessageShape:
         yield _event("ping")
         blocks = _Blocks()
         stream = reply_stream(self.api.format, self.tools, self.thinking)
-        async for out in gen.outputs():
-            if out.finish_reason is FinishReason.ERROR:
-                break
-            for event in stream.feed(out.new_text):
-                for line in blocks.apply(event):
-                    yield line
+        # Closed as soon as this stream ends or is left (a client gone): the request is
+        # aborted and the conversation freed then, not when the generator is collected.
+        async with contextlib.aclosing(gen.outputs()) as outputs:
+            async for out in outputs:
+                if out.finish_reason is FinishReason.ERROR:
+                    break
+                for event in stream.feed(out.new_text):
+                    for line in blocks.apply(event):
+                        yield line
         done = gen.produced
         if done.failed or done.last is None:
             error = {"type": "api_error", "message": "the engine failed this request"}

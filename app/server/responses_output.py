@@ -4,6 +4,7 @@ format parser (app.chat.formats) finds it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -119,12 +120,15 @@ class ResponseShape:
         yield items.sse("response.created", response=started)
         yield items.sse("response.in_progress", response=started)
         stream = reply_stream(self.api.format, self.tools, self.thinking)
-        async for out in gen.outputs():
-            if out.finish_reason is FinishReason.ERROR:
-                break
-            for event in stream.feed(out.new_text):
-                for line in items.apply(event):
-                    yield line
+        # Closed as soon as this stream ends or is left (a client gone): the request is
+        # aborted and the conversation freed then, not when the generator is collected.
+        async with contextlib.aclosing(gen.outputs()) as outputs:
+            async for out in outputs:
+                if out.finish_reason is FinishReason.ERROR:
+                    break
+                for event in stream.feed(out.new_text):
+                    for line in items.apply(event):
+                        yield line
         done = gen.produced
         if done.failed:
             yield items.sse("response.failed", response=self.final(done, []))

@@ -192,3 +192,30 @@ def test_anthropic_errors_have_anthropics_shape(client):
         "type": "error",
         "error": {"type": "not_found_error", "message": r.json()["error"]["message"]},
     }
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"input": "hi", "stream": True}),
+        ("/v1/messages", {"max_tokens": 500, "messages": ASK, "stream": True}),
+    ],
+)
+def test_a_client_that_leaves_a_stream_aborts_it(tokenizer, path, body):
+    import time
+
+    import httpx
+
+    from tests.e2e.live_server import live_server
+
+    fake = FakeEngine(tokenizer, delay=0.02, reply="word " * 400)
+    with live_server(create_app(engine=fake)) as server:
+        with httpx.stream("POST", server.url + path, json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            for _ in range(12):
+                next(lines)
+        # The reply would take 8 s more; its engine stream is closed (aborted) at once.
+        deadline = time.monotonic() + 3
+        while fake.live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not fake.live
