@@ -497,6 +497,7 @@ class ReadyServer:
 
 def generate_once(args: argparse.Namespace) -> None:
     from app.chat.prompt import Message
+    from app.engine.engine_request import EngineRequest
     from app.engine.request import SamplingParams
     from app.llm import LLM
 
@@ -505,7 +506,7 @@ def generate_once(args: argparse.Namespace) -> None:
     messages.append(Message("user", args.prompt))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     engine = llm.engine
-    engine.add_request("cli", llm.chat_prompt(messages), params)
+    engine.add_request(EngineRequest(llm.chat_prompt(messages), params, "cli"))
     out = None
     while engine.has_unfinished_requests():
         for out in engine.step():

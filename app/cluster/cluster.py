@@ -31,6 +31,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from app.cluster.replica import Replica
 from app.cluster.router import Router
 from app.config import ClusterConfig, EngineConfig
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import EngineDead
 from app.engine.outputs import (
     EngineListener,
@@ -168,20 +169,12 @@ class RayCluster:
             routing=dict(self.router.decisions),
         )
 
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None = None,
-        use_prefix_cache: bool = True,
-        cache_salt: str | None = None,
-        routing_key: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, asked: EngineRequest) -> AsyncIterator[RequestOutput]:
         if not self.healthy():
             raise EngineDead("no engine replica is running; retry shortly")
-        ids = await self._token_ids(prompt)
-        key = session_id or routing_key or _prefix_key(ids, cache_salt)
+        request_id, params = asked.request_id, asked.params
+        ids = await self._token_ids(asked.prompt)
+        key = asked.session_id or asked.routing_key or _prefix_key(ids, asked.cache_salt)
         sent: list[int] = []  # output token ids already passed on
         first: RequestOutput | None = None
         tried = 0
@@ -192,6 +185,7 @@ class RayCluster:
                 raise EngineDead("no engine replica is running; retry shortly")
             replica, _ = self.router.pick(key, loads)
             prompt, resumed, done = _resumed(ids, params, sent)
+            on_replica = dataclasses.replace(asked, prompt=prompt, params=resumed)
             self.in_flight[replica] += 1
             self._where[request_id] = replica
             finished = False
@@ -199,7 +193,7 @@ class RayCluster:
                 stream = (
                     self.replicas[replica]
                     .generate.options(num_returns="streaming")
-                    .remote(prompt, resumed, request_id, session_id, use_prefix_cache, cache_salt)
+                    .remote(on_replica)
                 )
                 async for ref in stream:
                     item = await ref

@@ -8,12 +8,12 @@ would tell them.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine, settle_heap
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import EngineStats, FinishedRequestStats, ModelInfo, RequestOutput
-from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
 
 
@@ -47,21 +47,13 @@ class Replica:
         return self.engine.stats()
 
     async def generate(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None,
-        use_prefix_cache: bool,
-        cache_salt: str | None,
+        self, asked: EngineRequest
     ) -> AsyncIterator[RequestOutput | FinishedRequestStats]:
         try:
-            async for out in self.engine.generate(
-                prompt, params, request_id, session_id, use_prefix_cache, cache_salt
-            ):
+            async for out in self.engine.generate(asked):
                 yield out
         finally:
-            stats = self._finished.pop(request_id, None)
+            stats = self._finished.pop(asked.request_id, None)
         if stats is not None:
             yield stats
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Sequence
 
 import torch
 
 from app.config import EngineConfig
 from app.engine.admission import RequestMaker
 from app.engine.block_pool import BlockPool
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter
 from app.engine.kv_cache import KVCache
 from app.engine.kv_manager import KVCacheManager
@@ -32,7 +32,7 @@ from app.engine.outputs import (
     ModelInfo,
     RequestOutput,
 )
-from app.engine.request import FinishReason, Request, SamplingParams
+from app.engine.request import FinishReason, Request
 from app.engine.sampler import Sampler
 from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from app.engine.structured import GrammarCompiler
@@ -145,20 +145,11 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def make_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        session_id: str | None = None,
-        use_prefix_cache: bool = True,
-        cache_salt: str | None = None,
-    ) -> Request:
+    def make_request(self, asked: EngineRequest) -> Request:
         """Validate and tokenize (app.engine.admission); touches no engine state, so any
         thread may call it. Raises BadParameter (ContextTooLong for a prompt that does
         not fit) with a message fit for the user."""
-        return self.maker.make(prompt, params, request_id, session_id, use_prefix_cache,
-                               cache_salt)  # fmt: skip
+        return self.maker.make(asked)
 
     def add(self, request: Request) -> None:
         """Queue a request made by make_request (and its choices)."""
@@ -170,17 +161,11 @@ class LLMEngine:
             self.requests[r.request_id] = r
         self.scheduler.add(request)
 
-    def add_request(
-        self,
-        request_id: str | None,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        session_id: str | None = None,
-    ) -> Request:
-        """Queue a generation. Returns the request (its id is generated when None)."""
-        if request_id is not None and request_id in self._groups:
-            raise BadParameter(f"request id {request_id!r} is already in use", "id")
-        req = self.make_request(prompt, params, request_id, session_id)
+    def add_request(self, asked: EngineRequest) -> Request:
+        """Queue a generation: make_request, then add. Returns the engine's request."""
+        if asked.request_id in self._groups:
+            raise BadParameter(f"request id {asked.request_id!r} is already in use", "id")
+        req = self.make_request(asked)
         self.add(req)
         return req
 

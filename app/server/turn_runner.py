@@ -37,6 +37,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from app.chat.sessions import conversation_key
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import RequestOutput
 from app.engine.request import FinishReason, SamplingParams
 from app.server import protocol as p
@@ -265,7 +266,7 @@ class TurnRunner:
                 prompt_ids = cont.prompt_ids + cont.token_ids
                 params = cont.params
                 base = len(cont.prompt_ids)
-            outputs = self.chat.engine.generate(
+            asked = EngineRequest(
                 prompt_ids,
                 params,
                 request_id,
@@ -274,6 +275,7 @@ class TurnRunner:
                 cache_salt=salt,
                 routing_key=turn.conversation.key,  # replicas: where the conversation's K/V is
             )
+            outputs = self.chat.engine.generate(asked)
             async for out in outputs:
                 if last is None and stream.cancelled:
                     # Cancelled before the engine had the request: that abort found nothing.

@@ -18,6 +18,7 @@ import websockets
 from app.chat.prompt import ChatPrompt, Message
 from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model import build
 from tests.engine.util import run
@@ -124,7 +125,7 @@ def uninterrupted(smollm) -> list[str]:
     prompt = ChatPrompt(smollm.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, q in enumerate(QUESTIONS):
-        engine.add_request(str(i), prompt.render([Message("user", q)]), params)
+        engine.add_request(EngineRequest(prompt.render([Message("user", q)]), params, str(i)))
     results = run(engine)
     return [results[str(i)].text for i in range(TURNS)]
 
