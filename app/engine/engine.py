@@ -90,12 +90,16 @@ class LLMEngine:
             self.offload,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        arch = loaded.arch
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
             Sampler(),
             max_num_seqs=config.scheduler.max_num_seqs,
             cuda_graphs=config.cuda_graphs,
+            attention=self.model.ops.attention(
+                config.cache.block_size, arch.num_heads // arch.num_kv_heads, dtype
+            ),
         )
         self.grammars = GrammarCompiler(self.tokenizer, loaded.arch.vocab_size, self.eos_token_ids)
         self.maker = RequestMaker(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from app.engine.errors import BadParameter
+from app.engine.structured import ResponseFormat
 
 if TYPE_CHECKING:
     from app.engine.detokenizer import IncrementalDetokenizer
@@ -28,25 +29,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_N = 128  # OpenAI's limit; the engine also keeps n within max_num_seqs
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
-
-
-@dataclass(frozen=True)
-class ResponseFormat:
-    """A constraint on the reply's text, applied as a token mask while sampling
-    (app.engine.structured): "json_object" (any JSON object) or "json_schema" (`schema`, a
-    JSON Schema as JSON text, followed strictly)."""
-
-    kind: str
-    schema: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("json_object", "json_schema"):
-            raise BadParameter(
-                f"response_format type must be json_object or json_schema, not {self.kind!r}",
-                "response_format",
-            )
-        if (self.kind == "json_schema") != (self.schema is not None):
-            raise BadParameter("a json_schema response_format needs its schema", "response_format")
 
 
 # Callers that take up a cut request (a turn after a restart, a reply after its replica
