@@ -30,7 +30,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from app.cluster.replica import Replica
 from app.cluster.router import Router
-from app.config import ClusterConfig, EngineConfig
+from app.config import INLINE_TEXT_CHARS, ClusterConfig, EngineConfig
 from app.engine.engine_request import EngineRequest
 from app.engine.errors import EngineDead
 from app.engine.outputs import (
@@ -50,7 +50,6 @@ REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 MONITOR_INTERVAL_S = 1.0
 PING_TIMEOUT_S = 5.0
 ROUTING_PREFIX_TOKENS = 64  # a request without a key is routed by its prompt's start
-INLINE_PROMPT_CHARS = 8192
 
 
 class RayCluster:
@@ -241,7 +240,7 @@ class RayCluster:
         if not isinstance(prompt, str):
             return list(prompt)
         encode = self._info.tokenizer.encode
-        if len(prompt) > INLINE_PROMPT_CHARS:
+        if len(prompt) > INLINE_TEXT_CHARS:
             return await asyncio.to_thread(encode, prompt, add_special_tokens=False)
         return encode(prompt, add_special_tokens=False)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.config import EngineConfig
+from app.config import INLINE_TEXT_CHARS, EngineConfig
 from app.engine.engine import LLMEngine
 from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter, EngineDead, Overloaded
@@ -44,10 +44,8 @@ from app.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-# Prompts this large are validated and tokenized on a worker thread: a 1 MiB paste takes
-# the tokenizer a good part of a second, which must not stall every other stream on the
-# event loop. Smaller ones are quicker to do inline than to hand over.
-INLINE_PROMPT_CHARS = 8192
+# Prompts larger than this are validated and tokenized on a worker thread (text: see
+# INLINE_TEXT_CHARS); token ids only need checking, quicker inline up to many more.
 INLINE_PROMPT_IDS = 32768
 
 
@@ -182,9 +180,7 @@ class AsyncEngine:
 
     async def _make_request(self, asked: EngineRequest) -> Request:
         prompt, params = asked.prompt, asked.params
-        large = len(prompt) > (
-            INLINE_PROMPT_CHARS if isinstance(prompt, str) else INLINE_PROMPT_IDS
-        )
+        large = len(prompt) > (INLINE_TEXT_CHARS if isinstance(prompt, str) else INLINE_PROMPT_IDS)
         if params.response_format is not None:
             # Compiled on the grammar worker, off this loop, under its caps (structured.py);
             # its matcher (ms for a large grammar) is made off the loop too.
