@@ -124,7 +124,7 @@ FLAGS: list[tuple[str, dict]] = [
         dict(
             type=TierConfig.parse,
             # Host memory by default: 2 GiB, twice the default KV cache, filled only by
-            # K/V that the pool let go of (see README, "KV tier").
+            # K/V that the pool let go of (see docs/kv_tier.md).
             default="memory",
             help="where K/V goes when it leaves the KV cache: none, memory[:SIZE] "
             "(2GiB), redis://[:password@]host:port/db, or a folder[:SIZE]",

@@ -10,7 +10,7 @@ their logits are dropped. Attention inside a graph must not depend on the step's
 widths: it goes through FlexDecode, whose buffers are full-size and written in place.
 Sampling stays outside the graph (it depends on each request's parameters).
 
-Not measured: no GPU was at hand when this was written (README, "On a GPU"). The pure
+Not measured: no GPU was at hand when this was written (docs/gpu.md). The pure
 parts (bucket choice, padding) are tested on the CPU.
 """
 

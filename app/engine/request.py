@@ -81,7 +81,7 @@ class SamplingParams:
     # Output tokens this request re-derives before it generates (a turn resumed after a
     # restart or a lost replica): each is fed back by a decode step of its own, as it was
     # first decoded, so that the K/V and the seed's random stream end where an
-    # uninterrupted run's did (README, "Determinism", says how closely in bf16). The
+    # uninterrupted run's did (docs/determinism.md says how closely in bf16). The
     # sampler still draws for them, its pick is replaced, and they produce no output: the
     # caller has them. Part of max_tokens.
     replay_ids: tuple[int, ...] = ()

@@ -12,8 +12,7 @@ token is fed back by a decode step of its own, as it was first decoded, and only
 follows reaches the stream. Its K/V, its sampler's
 random stream, its penalties and its detokenizer then stand where the uninterrupted run's
 did: in fp32 greedy and seeded replies go on token for token, and with bf16 activations
-far closer than from a prefill (README, "Determinism": 0 against 11 of 32 greedy cuts
-parted, though a 16-turn restart test still saw a late near tie flip in some runs).
+far closer than from a prefill (how closely: docs/determinism.md).
 
 A longer output would cost as many decode steps, so past REPLAY_MAX_TOKENS the new
 request's prompt is the old prompt plus the output so far, computed in one prefill (the

@@ -32,7 +32,7 @@ QUESTIONS = [f"Write a few sentences about the number {n}." for n in range(TURNS
 
 
 # The format: the default where prompts attend through Parley's kernel (a CPU with
-# AVX-512), whose bits do not depend on how a token was reached (README, "Determinism");
+# AVX-512), whose bits do not depend on how a token was reached (docs/determinism.md);
 # the fp32 reference elsewhere. A turn taken up after the kill replays its sent tokens one
 # decode step each (app.server.turn_runner). Before the prompt kernel, 6 runs of 28 on the
 # default format saw one of the 16 replies take another last token at a near tie.

@@ -42,7 +42,7 @@ def test_shared_prefix_is_served_from_cache_with_identical_output(smollm, tokeni
 
     # The fp32 reference: from a cached prefix the rest of the prompt attends through
     # another kernel path than a whole prompt does; in bf16 (the default with native bf16)
-    # that can flip a near tie (README, "Determinism", measures how often).
+    # that can flip a near tie (docs/determinism.md measures how often).
     cached = LLMEngine(EngineConfig(EXACT, CacheConfig(256 << 20), debug_checks=True), smollm)
     cached.add_request(EngineRequest(first, PARAMS, "first"))
     assert run(cached)["first"].cached_tokens == 0

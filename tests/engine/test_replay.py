@@ -2,7 +2,7 @@
 exactly as that one would have: each replayed token is fed back by a decode step, as it
 was first decoded, so the K/V, the sampler's random stream and the detokenizer all end
 where an uninterrupted run's did. How a turn resumed after a restart keeps its reply (a
-prefill of the same tokens rounds differently in bf16; README, "Determinism", has how
+prefill of the same tokens rounds differently in bf16; docs/determinism.md has how
 closely replay holds there)."""
 
 import pytest

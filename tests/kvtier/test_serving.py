@@ -69,7 +69,7 @@ def test_fp32_reply_after_a_tier_restore_equals_the_recomputed_reply(smollm):
 
 def test_default_format_reply_after_a_tier_restore_equals_the_pool_hit_reply(smollm):
     """With bf16 activations a recomputed history rounds differently from one decoded
-    token by token (README, "Determinism"); what a restore must give is what the pool
+    token by token (docs/determinism.md); what a restore must give is what the pool
     would have: the same K/V, bit for bit."""
     restored = _second_turn(smollm, ModelConfig(), via_tier=True)
     assert restored == _second_turn(smollm, ModelConfig(), via_tier=False)
