@@ -312,7 +312,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
                  "--allowed-hosts", "--allowed-origins", "--metrics-key"),
     "tier (K/V beyond the cache)": ("--kv-tier", "--kv-tier-ttl", "--kv-tier-store"),
     "journal (turns that survive a restart)": ("--journal", "--journal-required",
-                                               "--journal-consumer", "--journal-claim-after"),
+                                               "--journal-consumer", "--journal-claim-after",
+                                               "--journal-timeout"),
     "cluster": ("--replicas", "--ray-address"),
     "one reply in the terminal": ("--prompt", "--system", "--max-tokens", "--temperature"),
 }  # fmt: skip

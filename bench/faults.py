@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
-import os
 import socket
 import statistics
 import subprocess
@@ -43,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from servers import free_port, stop, wait_ready, write_readme_block  # noqa: E402
+from servers import start, stop, write_readme_block  # noqa: E402
 
 from tests.faults.run import Plan, run  # noqa: E402
 
@@ -222,18 +221,7 @@ class Watch:
 
 def start_app(root: Path) -> tuple[subprocess.Popen, str]:
     """`python -m app` from the checkout at `root` (this one, or an older one to compare)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning",
-           "--kv-cache-size", "256MiB"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url + "/ready", f"python -m app in {root}")
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, url
+    return start(["--kv-cache-size", "256MiB"], root=root)
 
 
 def part_requests(repeats: int, root: Path = ROOT) -> dict:

@@ -38,12 +38,15 @@ def wait_ready(proc: subprocess.Popen, url: str, what: str, timeout: float = 600
         time.sleep(0.3)
 
 
-def start(flags: list[str], **popen) -> tuple[subprocess.Popen, str]:
-    """`python -m app` on a free loopback port, in a session of its own (so that its Ray
-    processes go with it), once /ready answers: the process and its base URL."""
+def start(flags: list[str], root: Path = ROOT, **popen) -> tuple[subprocess.Popen, str]:
+    """`python -m app` from the checkout at `root` on a free loopback port, in a session of
+    its own (so that its Ray processes go with it), once /ready answers: the process and its
+    base URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, **popen)
+    if root != ROOT:
+        popen["env"] = {**popen.get("env", os.environ), "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(cmd, cwd=root, start_new_session=True, **popen)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url + "/ready", f"python -m app {' '.join(flags)}")
