@@ -36,11 +36,7 @@ from app.config import (
     parse_size,
 )
 
-
-def default(config: type, name: str) -> object:
-    """A flag's default: the config dataclass's, so that it is written in one place."""
-    return {f.name: f.default for f in dataclasses.fields(config)}[name]
-
+# A flag's default is its config field's (ModelConfig.dtype, ...): written in one place.
 
 FLAGS: list[tuple[str, dict]] = [
     ("--model", dict(help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")),
@@ -48,7 +44,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--quantization",
         dict(
             choices=QUANTIZATIONS,
-            default=default(ModelConfig, "quantization"),
+            default=ModelConfig.quantization,
             help="linear weights: none (as loaded), int8 (CPU; faster, less exact), int4 (CPU; "
             "a GGUF's Q4_0/Q4_1 as stored), auto (int4 for 4-bit checkpoints, else none)",
         ),
@@ -57,7 +53,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--dtype",
         dict(
             choices=DTYPES,
-            default=default(ModelConfig, "dtype"),
+            default=ModelConfig.dtype,
             help="activations, K/V and float weights: bfloat16 is faster where the CPU has bf16; "
             "auto: bfloat16 for int4 where the CPU has native bf16, else float32 "
             "(exact reference: --quantization none --dtype float32)",
@@ -67,7 +63,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--cpu-kernels",
         dict(
             choices=CPU_KERNELS,
-            default=default(ModelConfig, "cpu_kernels"),
+            default=ModelConfig.cpu_kernels,
             help="Parley's fused CPU kernels for norms, rotary, decode attention and the decode "
             "layer stack (compiled once per machine with g++); auto: on for int4 weights "
             "(~1.6x one conversation's decode speed), off for weights as loaded",
@@ -78,19 +74,17 @@ FLAGS: list[tuple[str, dict]] = [
     ("--kv-cache-size", dict(type=parse_size, default="1GiB", help="e.g. 512MiB, 2GiB")),
     (
         "--block-size",
-        dict(type=int, default=default(CacheConfig, "block_size"), help="tokens per KV block"),
+        dict(type=int, default=CacheConfig.block_size, help="tokens per KV block"),
     ),
     (
         "--max-num-seqs",
-        dict(
-            type=int, default=default(SchedulerConfig, "max_num_seqs"), help="requests in one batch"
-        ),
+        dict(type=int, default=SchedulerConfig.max_num_seqs, help="requests in one batch"),
     ),
     (
         "--max-num-batched-tokens",
         dict(
             type=int,
-            default=default(SchedulerConfig, "max_num_batched_tokens"),
+            default=SchedulerConfig.max_num_batched_tokens,
             help="tokens in one step",
         ),
     ),
@@ -98,7 +92,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--batching",
         dict(
             choices=("adaptive", "static"),
-            default=default(SchedulerConfig, "batching"),
+            default=SchedulerConfig.batching,
             help="adaptive: step budgets from measured step costs and --itl-target-ms, "
             "earliest deadline first; static: fixed chunks, first come first served",
         ),
@@ -107,7 +101,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--itl-target-ms",
         dict(
             type=float,
-            default=default(SchedulerConfig, "itl_target_ms"),
+            default=SchedulerConfig.itl_target_ms,
             help="inter-token target (default: 10x a decode step)",
         ),
     ),
@@ -115,7 +109,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--session-ttl",
         dict(
             type=float,
-            default=default(CacheConfig, "session_ttl_s"),
+            default=CacheConfig.session_ttl_s,
             help="seconds an idle chat keeps KV",
         ),
     ),
@@ -132,9 +126,7 @@ FLAGS: list[tuple[str, dict]] = [
     ),
     (
         "--kv-tier-ttl",
-        dict(
-            type=float, default=default(TierConfig, "ttl_s"), help="seconds a Redis tier key lives"
-        ),
+        dict(type=float, default=TierConfig.ttl_s, help="seconds a Redis tier key lives"),
     ),
     (
         "--kv-tier-store",
@@ -151,7 +143,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--max-waiting",
         dict(
             type=int,
-            default=default(SchedulerConfig, "max_waiting"),
+            default=SchedulerConfig.max_waiting,
             help="queued requests before 429/busy",
         ),
     ),
@@ -172,7 +164,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--request-timeout",
         dict(
             type=float,
-            default=default(SchedulerConfig, "request_timeout_s"),
+            default=SchedulerConfig.request_timeout_s,
             help="seconds a request may run",
         ),
     ),
@@ -282,7 +274,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--replicas",
         dict(
             type=int,
-            default=default(ClusterConfig, "replicas"),
+            default=ClusterConfig.replicas,
             help="engine replicas on Ray (1: no Ray, one engine here)",
         ),
     ),

@@ -6,11 +6,12 @@ loaded past a threshold) and streams its outputs back through Ray's streaming
 generators. A cancel, or a client that leaves, reaches the replica as an abort within one
 engine step.
 
-A replica that dies mid-stream: the request is resubmitted to a live replica as its
-prompt plus the tokens already sent, and the stream goes on where it was (the prefix
-cache, or the shared KV tier, makes the recompute cheap); the client sees one continuous
-reply. Ray restarts the dead actor (it loads the model again); until it answers, the
-router leaves it out. With no live replica a request fails with EngineDead (retryable).
+A replica that dies mid-stream: the request is resubmitted to a live replica from the
+tokens already sent (app.engine.continuation: replayed, or as prompt), and the stream goes
+on where it was (the prefix cache, or the shared KV tier, makes the recompute cheap); the
+client sees one continuous reply. Ray restarts the dead actor (it loads the model again);
+until it answers, the router leaves it out. With no live replica a request fails with
+EngineDead (retryable).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from app.cluster.replica import Replica
 from app.cluster.router import Router
 from app.config import INLINE_TEXT_CHARS, ClusterConfig, EngineConfig
+from app.engine.continuation import Continuation
 from app.engine.engine_request import EngineRequest
 from app.engine.errors import EngineDead
 from app.engine.outputs import (
@@ -41,7 +43,6 @@ from app.engine.outputs import (
     ReplicaStats,
     RequestOutput,
 )
-from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -183,8 +184,11 @@ class RayCluster:
             if not loads:
                 raise EngineDead("no engine replica is running; retry shortly")
             replica, _ = self.router.pick(key, loads)
-            prompt, resumed, done = _resumed(ids, params, sent)
-            on_replica = dataclasses.replace(asked, prompt=prompt, params=resumed)
+            # A request cut after `sent` tokens (its replica died) goes on from them.
+            cont = Continuation.of(ids, sent, params)
+            if cont is None:
+                return  # its budget was spent: nothing more comes
+            on_replica = cont.request(asked)
             self.in_flight[replica] += 1
             self._where[request_id] = replica
             finished = False
@@ -196,10 +200,11 @@ class RayCluster:
                 )
                 async for ref in stream:
                     item = await ref
+                    cached = first.cached_tokens if first is not None else None
                     if isinstance(item, FinishedRequestStats):
-                        self._tell_finished(item, len(ids), first, done)
+                        self._tell_finished(cont.stats(item, cached))
                         continue
-                    out = _continued(item, len(ids), first, done)
+                    out = cont.output(item, cached)
                     first = first or out
                     sent += item.new_token_ids
                     now = time.monotonic()
@@ -244,16 +249,7 @@ class RayCluster:
             return await asyncio.to_thread(encode, prompt, add_special_tokens=False)
         return encode(prompt, add_special_tokens=False)
 
-    def _tell_finished(
-        self, stats: FinishedRequestStats, num_prompt: int, first: RequestOutput | None, done: int
-    ) -> None:
-        if done and first is not None:  # resumed: the request as the client saw it
-            stats = dataclasses.replace(
-                stats,
-                num_prompt_tokens=num_prompt,
-                num_cached_tokens=first.cached_tokens,
-                num_output_tokens=stats.num_output_tokens + done,
-            )
+    def _tell_finished(self, stats: FinishedRequestStats) -> None:
         for listener in self._listeners:
             listener.on_finished(stats)
 
@@ -296,32 +292,3 @@ def _prefix_key(ids: list[int], salt: str | None) -> str:
     """Requests that start alike go alike: their shared prefix is cached there."""
     h = hashlib.blake2b(repr((salt, ids[:ROUTING_PREFIX_TOKENS])).encode(), digest_size=12)
     return "prefix:" + h.hexdigest()
-
-
-def _resumed(
-    ids: list[int], params: SamplingParams, sent: list[int]
-) -> tuple[list[int], SamplingParams, int]:
-    """What a request cut after `sent` tokens is sent to another replica as: its prompt,
-    its params, and how many tokens of its output its prompt carries. Where it can
-    (SamplingParams.can_replay) the replica replays them and outputs only what follows;
-    otherwise they become prompt and the seed's random stream moves on by them."""
-    if not sent:
-        return ids, params, 0
-    if params.can_replay(len(sent)):
-        return ids, params.replaying(sent), 0
-    return ids + sent, params.after(len(sent)), len(sent)
-
-
-def _continued(
-    out: RequestOutput, num_prompt: int, first: RequestOutput | None, done: int
-) -> RequestOutput:
-    """A resumed request's output as the client's request: its prompt was the client's
-    prompt plus the `done` tokens already sent."""
-    if not done:
-        return out
-    return dataclasses.replace(
-        out,
-        prompt_tokens=num_prompt,
-        cached_tokens=first.cached_tokens if first else out.cached_tokens,
-        completion_tokens=out.completion_tokens + done,
-    )

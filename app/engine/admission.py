@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter, ContextTooLong
@@ -33,6 +35,8 @@ class RequestMaker:
         the others in `forks`."""
         prompt, params, session_id = asked.prompt, asked.params, asked.session_id
         self._check_params(params, session_id)
+        if any(t >= self.vocab_size for t in asked.replay_ids):
+            raise BadParameter(f"replay_ids must be below {self.vocab_size}", "replay_ids")
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
@@ -71,6 +75,7 @@ class RequestMaker:
         request_id, cache_salt = asked.request_id, asked.cache_salt
         req = self._choice(request_id, 0, token_ids, params, max_tokens, session_id,
                            use_prefix_cache, cache_salt)  # fmt: skip
+        req.replay_ids = asked.replay_ids
         if params.response_format is not None:
             req.grammar = self.grammars.compile(params.response_format, req.stop_token_ids)
         for i in range(1, params.n):
@@ -79,6 +84,11 @@ class RequestMaker:
             child.group_id = request_id
             child.grammar = req.grammar.fork() if req.grammar is not None else None
             req.forks.append(child)
+        if asked.seed_offset and params.seed is not None:
+            for choice in (req, *req.forks):
+                # The sampler draws one number per sampled token (app.engine.sampler), and n
+                # numbers drawn at once advance the generator exactly as n single draws do.
+                torch.rand(asked.seed_offset, generator=choice.generator)
         return req
 
     def _check_params(self, params: SamplingParams, session_id: str | None) -> None:
@@ -93,8 +103,6 @@ class RequestMaker:
         vocab = self.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise BadParameter(f"logit_bias token ids must be below {vocab}", "logit_bias")
-        if any(t >= vocab for t in params.replay_ids):
-            raise BadParameter(f"replay_ids must be below {vocab}", "replay_ids")
 
     def _choice(
         self,

@@ -319,11 +319,11 @@ class LLMEngine:
         self, req: Request, token: int, now: float, logprob: Logprob | None = None
     ) -> RequestOutput | None:
         """Append a sampled token, run the stop checks; the request's output. A token
-        being replayed (params.replay_ids) replaces the sampled one and goes out with no
-        output, unless the request ends on it."""
-        replaying = req.num_output_tokens < len(req.params.replay_ids)
+        being replayed (EngineRequest.replay_ids) replaces the sampled one and goes out with
+        no output, unless the request ends on it."""
+        replaying = req.num_output_tokens < len(req.replay_ids)
         if replaying:
-            token = req.params.replay_ids[req.num_output_tokens]
+            token = req.replay_ids[req.num_output_tokens]
         req.append_output_token(token)
         if not replaying:
             if logprob is not None:

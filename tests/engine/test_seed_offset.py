@@ -20,10 +20,9 @@ def test_a_continued_seeded_request_samples_on_where_the_first_stopped(tokenizer
     assert len(whole) == 24
 
     rest = SamplingParams(
-        temperature=1.0, top_p=0.9, seed=1234, max_tokens=24 - cut, ignore_eos=True,
-        seed_offset=cut,
-    )  # fmt: skip
-    engine.add_request(EngineRequest(prompt + whole[:cut], rest, "rest"))
+        temperature=1.0, top_p=0.9, seed=1234, max_tokens=24 - cut, ignore_eos=True
+    )
+    engine.add_request(EngineRequest(prompt + whole[:cut], rest, "rest", seed_offset=cut))
     assert run(engine)["rest"].token_ids == whole[cut:]
 
     if cut > 1:
@@ -39,5 +38,5 @@ def test_seed_offset_is_validated():
     from app.engine.errors import BadParameter
 
     with pytest.raises(BadParameter) as bad:
-        SamplingParams(seed=1, seed_offset=-1)
+        EngineRequest([1, 2], SamplingParams(seed=1), seed_offset=-1)
     assert bad.value.name == "seed_offset"
