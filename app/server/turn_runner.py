@@ -47,7 +47,6 @@ class Resumed:
     entry: JournalEntry
     text: str  # the reply text clients were sent
     cont: Continuation
-    start: tuple[int, ...]  # prompt, cached and tier-cached tokens of the first start frame
 
 
 def continuation(tokenizer, turn: RecoveredTurn) -> Resumed | None:
@@ -63,7 +62,7 @@ def continuation(tokenizer, turn: RecoveredTurn) -> Resumed | None:
     )
     if cont is None:
         return None
-    return Resumed(turn.entry, text, cont, turn.start or (len(turn.record.prompt_ids), 0))
+    return Resumed(turn.entry, text, cont)
 
 
 class TurnRunner:
