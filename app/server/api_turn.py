@@ -15,7 +15,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from starlette.requests import Request
@@ -63,6 +63,15 @@ def check_model(body: dict[str, Any], served: str) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+class APISurface(Protocol):
+    """What a reply's output shape reads of the API that made it (ResponsesAPI,
+    MessagesAPI): named here, so that the shapes need not import their APIs back."""
+
+    chat: ChatService
+    model_name: str
+    format: ChatFormat
 
 
 @dataclass
