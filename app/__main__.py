@@ -279,6 +279,15 @@ FLAGS: list[tuple[str, dict]] = [
         ),
     ),
     ("--ray-address", dict(default=None, help="join this Ray cluster (default: start one)")),
+    (
+        "--simulate-replicas",
+        dict(
+            type=float,
+            default=None,
+            metavar="STEPS_PER_S",
+            help="benchmarks: replicas without a model, one token per request per step",
+        ),
+    ),
     ("--log-level", dict(default="info")),
     ("--prompt", dict(help="print the reply to this user message and exit (no server)")),
     ("--system", dict(help="a system prompt for --prompt")),
@@ -306,7 +315,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "journal (turns that survive a restart)": ("--journal", "--journal-required",
                                                "--journal-consumer", "--journal-claim-after",
                                                "--journal-timeout"),
-    "cluster": ("--replicas", "--ray-address"),
+    "cluster": ("--replicas", "--ray-address", "--simulate-replicas"),
     "one reply in the terminal": ("--prompt", "--system", "--max-tokens", "--temperature"),
 }  # fmt: skip
 OTHER_GROUP = "other"
@@ -446,6 +455,7 @@ def server_config(args: argparse.Namespace):
             replicas=args.replicas,
             ray_address=args.ray_address,
             threads_per_replica=args.threads if args.replicas > 1 else None,
+            simulate_steps_per_s=args.simulate_replicas,
         ),
         streams=StreamsConfig(grace_s=args.resume_grace),
         journal=journal,
