@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -56,19 +57,16 @@ class _Stream:
 
 
 # What the event loop's side asks of the engine's thread, applied between steps.
-@dataclass(frozen=True)
-class _Add:
+class _Add(NamedTuple):
     request: Request  # made (validated, tokenized) on the caller's side
 
 
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
+class _Abort(NamedTuple):
+    request_id: str  # its blocks are freed before the next step
 
 
-@dataclass(frozen=True)
-class _Release:
-    session_id: str
+class _Release(NamedTuple):
+    session_id: str  # its pinned K/V let go of
 
 
 _Message = _Add | _Abort | _Release
