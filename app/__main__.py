@@ -28,6 +28,7 @@ from app.config import (
     QUANTIZATIONS,
     TIER_STORE_POLICIES,
     CacheConfig,
+    ClusterConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -35,13 +36,15 @@ from app.config import (
     parse_size,
 )
 
+# A flag's default is its config field's (ModelConfig.dtype, ...): written in one place.
+
 FLAGS: list[tuple[str, dict]] = [
     ("--model", dict(help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")),
     (
         "--quantization",
         dict(
             choices=QUANTIZATIONS,
-            default="auto",
+            default=ModelConfig.quantization,
             help="linear weights: none (as loaded), int8 (CPU; faster, less exact), int4 (CPU; "
             "a GGUF's Q4_0/Q4_1 as stored), auto (int4 for 4-bit checkpoints, else none)",
         ),
@@ -50,7 +53,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--dtype",
         dict(
             choices=DTYPES,
-            default="auto",
+            default=ModelConfig.dtype,
             help="activations, K/V and float weights: bfloat16 is faster where the CPU has bf16; "
             "auto: bfloat16 for int4 where the CPU has native bf16, else float32 "
             "(exact reference: --quantization none --dtype float32)",
@@ -60,7 +63,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--cpu-kernels",
         dict(
             choices=CPU_KERNELS,
-            default="auto",
+            default=ModelConfig.cpu_kernels,
             help="Parley's fused CPU kernels for norms, rotary, decode attention and the decode "
             "layer stack (compiled once per machine with g++); auto: on for int4 weights "
             "(~1.6x one conversation's decode speed), off for weights as loaded",
@@ -69,35 +72,62 @@ FLAGS: list[tuple[str, dict]] = [
     ("--host", dict(default="127.0.0.1", help="address to listen on")),
     ("--port", dict(type=int, default=8000)),
     ("--kv-cache-size", dict(type=parse_size, default="1GiB", help="e.g. 512MiB, 2GiB")),
-    ("--block-size", dict(type=int, default=16, help="tokens per KV block")),
-    ("--max-num-seqs", dict(type=int, default=64, help="requests in one batch")),
-    ("--max-num-batched-tokens", dict(type=int, default=2048, help="tokens in one step")),
+    (
+        "--block-size",
+        dict(type=int, default=CacheConfig.block_size, help="tokens per KV block"),
+    ),
+    (
+        "--max-num-seqs",
+        dict(type=int, default=SchedulerConfig.max_num_seqs, help="requests in one batch"),
+    ),
+    (
+        "--max-num-batched-tokens",
+        dict(
+            type=int,
+            default=SchedulerConfig.max_num_batched_tokens,
+            help="tokens in one step",
+        ),
+    ),
     (
         "--batching",
         dict(
             choices=("adaptive", "static"),
-            default="adaptive",
+            default=SchedulerConfig.batching,
             help="adaptive: step budgets from measured step costs and --itl-target-ms, "
             "earliest deadline first; static: fixed chunks, first come first served",
         ),
     ),
     (
         "--itl-target-ms",
-        dict(type=float, default=None, help="inter-token target (default: 10x a decode step)"),
+        dict(
+            type=float,
+            default=SchedulerConfig.itl_target_ms,
+            help="inter-token target (default: 10x a decode step)",
+        ),
     ),
-    ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
+    (
+        "--session-ttl",
+        dict(
+            type=float,
+            default=CacheConfig.session_ttl_s,
+            help="seconds an idle chat keeps KV",
+        ),
+    ),
     (
         "--kv-tier",
         dict(
             type=TierConfig.parse,
             # Host memory by default: 2 GiB, twice the default KV cache, filled only by
-            # K/V that the pool let go of (see README, "KV tier").
+            # K/V that the pool let go of (see docs/kv_tier.md).
             default="memory",
             help="where K/V goes when it leaves the KV cache: none, memory[:SIZE] "
             "(2GiB), redis://[:password@]host:port/db, or a folder[:SIZE]",
         ),
     ),
-    ("--kv-tier-ttl", dict(type=float, default=86400.0, help="seconds a Redis tier key lives")),
+    (
+        "--kv-tier-ttl",
+        dict(type=float, default=TierConfig.ttl_s, help="seconds a Redis tier key lives"),
+    ),
     (
         "--kv-tier-store",
         dict(
@@ -109,7 +139,14 @@ FLAGS: list[tuple[str, dict]] = [
         ),
     ),
     ("--max-turns-per-socket", dict(type=int, default=8)),
-    ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
+    (
+        "--max-waiting",
+        dict(
+            type=int,
+            default=SchedulerConfig.max_waiting,
+            help="queued requests before 429/busy",
+        ),
+    ),
     ("--max-connections", dict(type=int, default=256, help="open /ws sockets")),
     (
         "--max-connections-per-client",
@@ -123,7 +160,14 @@ FLAGS: list[tuple[str, dict]] = [
         "--idle-timeout",
         dict(type=float, default=300.0, help="seconds a /ws socket carrying no turn may be silent"),
     ),
-    ("--request-timeout", dict(type=float, default=600.0, help="seconds a request may run")),
+    (
+        "--request-timeout",
+        dict(
+            type=float,
+            default=SchedulerConfig.request_timeout_s,
+            help="seconds a request may run",
+        ),
+    ),
     (
         "--resume-grace",
         dict(
@@ -228,7 +272,11 @@ FLAGS: list[tuple[str, dict]] = [
     ),
     (
         "--replicas",
-        dict(type=int, default=1, help="engine replicas on Ray (1: no Ray, one engine here)"),
+        dict(
+            type=int,
+            default=ClusterConfig.replicas,
+            help="engine replicas on Ray (1: no Ray, one engine here)",
+        ),
     ),
     ("--ray-address", dict(default=None, help="join this Ray cluster (default: start one)")),
     (
@@ -363,7 +411,6 @@ def server_config(args: argparse.Namespace):
     import socket
     from pathlib import Path
 
-    from app.config import ClusterConfig
     from app.server.app import ServerConfig
     from app.server.chat_service import ChatConfig
     from app.server.journal import JournalConfig
@@ -377,7 +424,7 @@ def server_config(args: argparse.Namespace):
     if args.journal:
         journal = JournalConfig(
             args.journal,
-            required=str(args.journal_required).lower() in ("1", "true", "yes"),
+            required=flag_true(args.journal_required),
             # The same name after a restart: the server takes its own turns back at once.
             consumer=args.journal_consumer or f"{socket.gethostname()}:{args.port}",
             claim_after_s=args.journal_claim_after,
@@ -508,6 +555,7 @@ class ReadyServer:
 
 def generate_once(args: argparse.Namespace) -> None:
     from app.chat.prompt import Message
+    from app.engine.engine_request import EngineRequest
     from app.engine.request import SamplingParams
     from app.llm import LLM
 
@@ -516,7 +564,7 @@ def generate_once(args: argparse.Namespace) -> None:
     messages.append(Message("user", args.prompt))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     engine = llm.engine
-    engine.add_request("cli", llm.chat_prompt(messages), params)
+    engine.add_request(EngineRequest(llm.chat_prompt(messages), params, "cli"))
     out = None
     while engine.has_unfinished_requests():
         for out in engine.step():

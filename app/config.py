@@ -235,6 +235,13 @@ def redact_url(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}{tail}"
 
 
+# Text longer than this (in characters) is tokenized, or a history rendered, on a worker
+# thread rather than on the event loop that sends every other stream's tokens: a 1 MiB
+# paste takes the tokenizer a good part of a second. Shorter text is quicker done inline
+# than handed over. One threshold for the engine, the cluster's front and the chat service.
+INLINE_TEXT_CHARS = 8192
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs."""

@@ -32,7 +32,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from app.cluster.replica import Relayed, Replica, ReplicaBeat
 from app.cluster.router import Router, prompt_block_hashes
 from app.cluster.simulated import SimulatedReplica
-from app.config import ClusterConfig, EngineConfig
+from app.config import INLINE_TEXT_CHARS, ClusterConfig, EngineConfig
+from app.engine.continuation import Continuation
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import EngineDead
 from app.engine.outputs import (
     EngineListener,
@@ -42,7 +44,6 @@ from app.engine.outputs import (
     ReplicaStats,
     RequestOutput,
 )
-from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 MONITOR_INTERVAL_S = 1.0
 PING_TIMEOUT_S = 5.0
 PUBLISHED_BLOCKS = 4096  # block hashes a replica publishes with each heartbeat
-INLINE_PROMPT_CHARS = 8192
 MAX_SESSIONS = 100_000  # sessions whose replicas are remembered (to release their pins)
 _GONE = object()  # queued to a request whose replica's stream broke
 
@@ -192,21 +192,13 @@ class RayCluster:
             routing=dict(self.router.decisions),
         )
 
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None = None,
-        use_prefix_cache: bool = True,
-        cache_salt: str | None = None,
-        routing_key: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, asked: EngineRequest) -> AsyncIterator[RequestOutput]:
         if not self.healthy():
             raise EngineDead("no engine replica is running; retry shortly")
-        ids = await self._token_ids(prompt)
-        key = session_id or routing_key
-        hashes = None if key else prompt_block_hashes(ids, cache_salt, self._block_size)
+        request_id, params, session_id = asked.request_id, asked.params, asked.session_id
+        ids = await self._token_ids(asked.prompt)
+        key = session_id or asked.routing_key
+        hashes = None if key else prompt_block_hashes(ids, asked.cache_salt, self._block_size)
         sent: list[int] = []  # output token ids already passed on
         first: RequestOutput | None = None
         tried = 0
@@ -219,7 +211,10 @@ class RayCluster:
                 replica, _ = self.router.pick(key, loads)
             else:
                 replica, _ = self.router.pick_by_prefix(hashes, loads)
-            prompt, resumed, done = _resumed(ids, params, sent)
+            # A request cut after `sent` tokens (its replica died) goes on from them.
+            cont = Continuation.of(ids, sent, params)
+            if cont is None:
+                return  # its budget was spent: nothing more comes
             inbox: asyncio.Queue[Any] = asyncio.Queue()
             self._inboxes[request_id] = inbox
             self.in_flight[replica] += 1
@@ -229,15 +224,13 @@ class RayCluster:
             open_choices, ended = params.n, False
             try:
                 self._relay(replica)
-                await self.replicas[replica].submit.remote(
-                    self._front, prompt, resumed, request_id, session_id, use_prefix_cache,
-                    cache_salt,
-                )  # fmt: skip
+                await self.replicas[replica].submit.remote(self._front, cont.request(asked))
                 while not ended:
                     for item in _merged(await inbox.get(), inbox):
                         if isinstance(item, RequestOutput):
                             open_choices -= item.finished
-                            out = _continued(item, len(ids), first, done)
+                            cached = first.cached_tokens if first is not None else None
+                            out = cont.output(item, cached)
                             first = first or out
                             sent += item.new_token_ids
                             if item.new_token_ids:
@@ -254,7 +247,8 @@ class RayCluster:
                         else:  # the request's end: its stats, or None
                             ended = True
                             if item is not None:
-                                self._tell_finished(item, len(ids), first, done)
+                                cached = first.cached_tokens if first is not None else None
+                                self._tell_finished(cont.stats(item, cached))
                             break
                 return
             except RayTaskError as exc:  # the replica failed to take it
@@ -288,20 +282,11 @@ class RayCluster:
         if not isinstance(prompt, str):
             return list(prompt)
         encode = self._info.tokenizer.encode
-        if len(prompt) > INLINE_PROMPT_CHARS:
+        if len(prompt) > INLINE_TEXT_CHARS:
             return await asyncio.to_thread(encode, prompt, add_special_tokens=False)
         return encode(prompt, add_special_tokens=False)
 
-    def _tell_finished(
-        self, stats: FinishedRequestStats, num_prompt: int, first: RequestOutput | None, done: int
-    ) -> None:
-        if done and first is not None:  # resumed: the request as the client saw it
-            stats = dataclasses.replace(
-                stats,
-                num_prompt_tokens=num_prompt,
-                num_cached_tokens=first.cached_tokens,
-                num_output_tokens=stats.num_output_tokens + done,
-            )
+    def _tell_finished(self, stats: FinishedRequestStats) -> None:
         for listener in self._listeners:
             listener.on_finished(stats)
 
@@ -412,32 +397,3 @@ def _merged(first: Any, inbox: asyncio.Queue[Any]) -> list[Any]:
         else:
             items.append(later)
     return items
-
-
-def _resumed(
-    ids: list[int], params: SamplingParams, sent: list[int]
-) -> tuple[list[int], SamplingParams, int]:
-    """What a request cut after `sent` tokens is sent to another replica as: its prompt,
-    its params, and how many tokens of its output its prompt carries. Where it can
-    (SamplingParams.can_replay) the replica replays them and outputs only what follows;
-    otherwise they become prompt and the seed's random stream moves on by them."""
-    if not sent:
-        return ids, params, 0
-    if params.can_replay(len(sent)):
-        return ids, params.replaying(sent), 0
-    return ids + sent, params.after(len(sent)), len(sent)
-
-
-def _continued(
-    out: RequestOutput, num_prompt: int, first: RequestOutput | None, done: int
-) -> RequestOutput:
-    """A resumed request's output as the client's request: its prompt was the client's
-    prompt plus the `done` tokens already sent."""
-    if not done:
-        return out
-    return dataclasses.replace(
-        out,
-        prompt_tokens=num_prompt,
-        cached_tokens=first.cached_tokens if first else out.cached_tokens,
-        completion_tokens=out.completion_tokens + done,
-    )

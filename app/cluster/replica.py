@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine, settle_heap
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import EngineStats, FinishedRequestStats, ModelInfo, RequestOutput
-from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
 
 # One relayed item: (request id, an output | the request's end: its stats, None, an error)
@@ -100,26 +100,15 @@ class Replica:
         hashes = self.engine.engine.kv.pool.cached_hashes(max_hashes)
         return ReplicaBeat(self.engine.stats(), tuple(hashes))
 
-    def submit(
-        self,
-        front: str,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None,
-        use_prefix_cache: bool,
-        cache_salt: str | None,
-    ) -> None:
+    def submit(self, front: str, asked: EngineRequest) -> None:
         """Queue a request; its outputs go to `front`'s stream."""
+        request_id = asked.request_id
         box = self._outbox(front)
         if request_id in self._early_aborts:  # cancelled before it got here
             del self._early_aborts[request_id]
             box.put((request_id, None))
             return
-        args = (prompt, params, request_id, session_id, use_prefix_cache, cache_salt)
-        self._tasks[request_id] = asyncio.get_running_loop().create_task(
-            self._run(box, request_id, args)
-        )
+        self._tasks[request_id] = asyncio.get_running_loop().create_task(self._run(box, asked))
 
     async def stream(self, front: str) -> AsyncIterator[list[Relayed]]:
         """Every output for `front`'s requests, batched by step, for as long as it reads."""
@@ -148,10 +137,11 @@ class Replica:
             box = self._outboxes[front] = Outbox()
         return box
 
-    async def _run(self, box: Outbox, request_id: str, args: tuple) -> None:
+    async def _run(self, box: Outbox, asked: EngineRequest) -> None:
+        request_id = asked.request_id
         end: FinishedRequestStats | BaseException | None = None
         try:
-            async for out in self.engine.generate(*args):
+            async for out in self.engine.generate(asked):
                 box.put((request_id, out))
         except Exception as exc:  # refused (bad input, overloaded): the front raises it
             end = exc

@@ -17,11 +17,12 @@ import asyncio
 import copy
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from app.cluster.replica import Outbox, Relayed, ReplicaBeat
 from app.config import EngineConfig
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import EngineStats, FinishedRequestStats, ModelInfo, RequestOutput
 from app.engine.request import FinishReason, SamplingParams, Timings
 from app.model.loader import LoadedModel, load_model
@@ -81,20 +82,11 @@ class SimulatedReplica:
     def heartbeat(self, max_hashes: int) -> ReplicaBeat:
         return ReplicaBeat(self.stats(), ())
 
-    def submit(
-        self,
-        front: str,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None,
-        use_prefix_cache: bool,
-        cache_salt: str | None,
-    ) -> None:
+    def submit(self, front: str, asked: EngineRequest) -> None:
         box = self._outboxes.get(front)
         if box is None:
             box = self._outboxes[front] = Outbox()
-        self._add(request_id, session_id, len(prompt), params, box.put)
+        self._add(asked.request_id, asked.session_id, len(asked.prompt), asked.params, box.put)
 
     async def stream(self, front: str) -> AsyncIterator[list[Relayed]]:
         box = self._outboxes.get(front)
@@ -104,17 +96,12 @@ class SimulatedReplica:
             yield await box.take()
 
     async def generate(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None,
-        use_prefix_cache: bool,
-        cache_salt: str | None,
+        self, asked: EngineRequest
     ) -> AsyncIterator[RequestOutput | FinishedRequestStats]:
         """The per-request protocol: this request's outputs, then its stats."""
         queue: asyncio.Queue[Relayed] = asyncio.Queue()
-        self._add(request_id, session_id, len(prompt), params, queue.put_nowait)
+        self._add(asked.request_id, asked.session_id, len(asked.prompt), asked.params,
+                  queue.put_nowait)  # fmt: skip
         while True:
             _, item = await queue.get()
             if isinstance(item, FinishedRequestStats):

@@ -15,7 +15,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from starlette.requests import Request
@@ -26,6 +26,7 @@ from app.chat.formats import ChatFormat, Parsed, ReplyStream
 from app.chat.prompt import Message
 from app.chat.sessions import Conversation
 from app.chat.window import HistoryTooLong, fit, reply_room
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import RequestOutput
 from app.engine.request import FinishReason, SamplingParams
 from app.server import json_input
@@ -62,6 +63,15 @@ def check_model(body: dict[str, Any], served: str) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+class APISurface(Protocol):
+    """What a reply's output shape reads of the API that made it (ResponsesAPI,
+    MessagesAPI): named here, so that the shapes need not import their APIs back."""
+
+    chat: ChatService
+    model_name: str
+    format: ChatFormat
 
 
 @dataclass
@@ -122,7 +132,7 @@ class Generation:
                 self.chat, self.messages, self.tools, conv, self.template_args, limit
             )
             routing = self.routing_hint or (conv.key if conv else None)
-            self._stream = self.chat.engine.generate(
+            asked = EngineRequest(
                 ids,
                 self.params,
                 self.request_id,
@@ -130,6 +140,7 @@ class Generation:
                 cache_salt=self.chat.cache_salt(self.principal),
                 routing_key=f"user:{routing}" if routing else None,
             )
+            self._stream = self.chat.engine.generate(asked)
             self._first = await self._stream.__anext__()
         except ENGINE_ERRORS as exc:
             self.close()

@@ -8,23 +8,20 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from app.chat.formats import CallArgs, CallDone, CallStart, Event, Reasoning, Text
 from app.engine.request import FinishReason
-from app.server.api_turn import Generation, Produced, matched_stop, reply_stream
+from app.server.api_turn import APISurface, Generation, Produced, matched_stop, reply_stream
 from app.server.errors import APIError
 from app.server.openai_request import ToolUse
-
-if TYPE_CHECKING:
-    from app.server.messages import MessagesAPI
 
 
 class MessageShape:
     """One reply's message and events."""
 
     def __init__(
-        self, api: MessagesAPI, tools: ToolUse | None, stops: list[str], thinking: bool
+        self, api: APISurface, tools: ToolUse | None, stops: list[str], thinking: bool
     ) -> None:
         self.api = api
         self.tools = tools

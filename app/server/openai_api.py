@@ -29,6 +29,7 @@ from app.chat.formats import ChatFormat
 from app.chat.prompt import ChatPrompt
 from app.chat.tools import supports_tools
 from app.chat.window import HistoryTooLong, Window, fit, reply_room
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
 from app.engine.request import SamplingParams
@@ -172,13 +173,14 @@ class OpenAIAPI:
         for name in ("prompt_cache_key", "user"):
             if body.get(name) is not None and not isinstance(body[name], str):
                 raise bad(f"'{name}' must be a string", name)
-        outputs = self.engine.generate(
+        asked = EngineRequest(
             prompt,
             params,
             "api-" + uuid.uuid4().hex,
             cache_salt=self.cache_salt(request.user),
             routing_key=f"user:{hint}" if hint else None,  # several replicas: its K/V's home
         )
+        outputs = self.engine.generate(asked)
         chat = shape.chat
         meta = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,

@@ -2,7 +2,7 @@
 ignored for a stated reason, or refused with a 400 naming it. Nothing is dropped silently:
 a field that is in neither table (a typo, a newer API's field) is refused too.
 
-README.md shows these tables (tests/server/test_openai_fields.py keeps them in step).
+docs/openai_api.md shows these tables (tests/server/test_openai_fields.py keeps them in step).
 """
 
 from __future__ import annotations

@@ -9,15 +9,12 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from app.chat.formats import CallArgs, CallDone, CallStart, Event, Parsed, Reasoning, Text
 from app.engine.request import FinishReason
-from app.server.api_turn import Generation, Produced, reply_stream
+from app.server.api_turn import APISurface, Generation, Produced, reply_stream
 from app.server.openai_request import ToolUse
-
-if TYPE_CHECKING:
-    from app.server.responses import ResponsesAPI
 
 
 class ResponseShape:
@@ -25,7 +22,7 @@ class ResponseShape:
 
     def __init__(
         self,
-        api: ResponsesAPI,
+        api: APISurface,
         body: dict[str, Any],
         tools: ToolUse | None,
         previous_id: str | None,

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from app.cluster.replica import Replica
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import ContextTooLong
 from app.engine.outputs import FinishedRequestStats, RequestOutput
 from app.engine.request import FinishReason, SamplingParams
@@ -30,7 +31,7 @@ def test_one_item_carries_a_step_for_every_request(tokenizer):
             params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
             ids = [f"r{i}" for i in range(3)]
             for rid in ids:
-                replica.submit("front", [1, 2, 3, 4 + len(rid)], params, rid, None, True, None)
+                replica.submit("front", EngineRequest([1, 2, 3, 4 + len(rid)], params, rid))
             items = []
             await read_until_ended(replica.stream("front"), ids, items)
             return items
@@ -56,12 +57,11 @@ def test_a_refusal_and_an_abort_end_their_requests(tokenizer):
         replica = Replica(*tiny_parts(tokenizer))
         try:
             stream = replica.stream("front")
-            replica.submit("front", [1] * 5000, SamplingParams(max_tokens=1), "long", None,
-                           True, None)  # fmt: skip
+            replica.submit("front", EngineRequest([1] * 5000, SamplingParams(max_tokens=1), "long"))
             replica.abort("early")  # before it is submitted: it never runs
-            replica.submit("front", [1, 2], SamplingParams(), "early", None, True, None)
-            replica.submit("front", [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True),
-                           "cut", None, True, None)  # fmt: skip
+            replica.submit("front", EngineRequest([1, 2], SamplingParams(), "early"))
+            cut = SamplingParams(max_tokens=1000, ignore_eos=True)
+            replica.submit("front", EngineRequest([1, 2, 3], cut, "cut"))
             items = []
             while not any(rid == "cut" for batch in items for rid, _ in batch):
                 items.append(await asyncio.wait_for(anext(stream), 60))
@@ -91,7 +91,7 @@ def test_a_simulated_replica_steps_every_request_at_its_rate(tokenizer, steps_pe
         config, loaded = tiny_parts(tokenizer)
         replica = SimulatedReplica(config, loaded, steps_per_s)
         for rid in ("a", "b"):
-            replica.submit("front", [1, 2, 3], SamplingParams(max_tokens=5), rid, None, True, None)
+            replica.submit("front", EngineRequest([1, 2, 3], SamplingParams(max_tokens=5), rid))
         items = []
         await read_until_ended(replica.stream("front"), ["a", "b"], items)
         await replica.stop()

@@ -9,6 +9,7 @@ from app.cluster.router import (
     Router,
     prompt_block_hashes,
 )
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from tests.tiny import tiny_engine
 
@@ -116,7 +117,7 @@ def test_the_front_names_blocks_as_the_engine_caches_them(tokenizer):
     prompt = list(range(100, 100 + 3 * BS + 5))
     for salt in (None, "tenant"):
         params = SamplingParams(max_tokens=1)
-        engine.add(engine.make_request(prompt, params, None, None, cache_salt=salt))
+        engine.add(engine.make_request(EngineRequest(prompt, params, cache_salt=salt)))
         while engine.has_unfinished_requests():
             engine.step()
         published = set(engine.kv.pool.cached_hashes(1024))
