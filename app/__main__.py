@@ -28,12 +28,15 @@ from app.config import (
     QUANTIZATIONS,
     TIER_STORE_POLICIES,
     CacheConfig,
+    ClusterConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
     TierConfig,
     parse_size,
 )
+
+# A flag's default is its config field's (ModelConfig.dtype, ...): written in one place.
 
 FLAGS: list[tuple[str, dict]] = [
     (
@@ -47,7 +50,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--quantization",
         dict(
             choices=QUANTIZATIONS,
-            default="auto",
+            default=ModelConfig.quantization,
             help="linear weights: none (as loaded), int8 (CPU; faster, less exact), int4 (CPU; "
             "a GGUF's blocks as stored: Q4_0/Q4_1 on the 4-bit kernel, K-quants, Q5_0/Q5_1, "
             "Q8_0 as int8 codes; floats rounded to 4 bits), auto (int4 for GGUF-quantized "
@@ -58,7 +61,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--dtype",
         dict(
             choices=DTYPES,
-            default="auto",
+            default=ModelConfig.dtype,
             help="activations, K/V and float weights: bfloat16 is faster where the CPU has bf16; "
             "auto: bfloat16 for int4 where the CPU has native bf16, else float32 "
             "(exact reference: --quantization none --dtype float32)",
@@ -68,7 +71,7 @@ FLAGS: list[tuple[str, dict]] = [
         "--cpu-kernels",
         dict(
             choices=CPU_KERNELS,
-            default="auto",
+            default=ModelConfig.cpu_kernels,
             help="Parley's fused CPU kernels for norms, rotary, decode attention and the decode "
             "layer stack (compiled once per machine with g++); auto: on for int4 weights "
             "(~1.6x one conversation's decode speed), off for weights as loaded",
@@ -77,35 +80,62 @@ FLAGS: list[tuple[str, dict]] = [
     ("--host", dict(default="127.0.0.1", help="address to listen on")),
     ("--port", dict(type=int, default=8000)),
     ("--kv-cache-size", dict(type=parse_size, default="1GiB", help="e.g. 512MiB, 2GiB")),
-    ("--block-size", dict(type=int, default=16, help="tokens per KV block")),
-    ("--max-num-seqs", dict(type=int, default=64, help="requests in one batch")),
-    ("--max-num-batched-tokens", dict(type=int, default=2048, help="tokens in one step")),
+    (
+        "--block-size",
+        dict(type=int, default=CacheConfig.block_size, help="tokens per KV block"),
+    ),
+    (
+        "--max-num-seqs",
+        dict(type=int, default=SchedulerConfig.max_num_seqs, help="requests in one batch"),
+    ),
+    (
+        "--max-num-batched-tokens",
+        dict(
+            type=int,
+            default=SchedulerConfig.max_num_batched_tokens,
+            help="tokens in one step",
+        ),
+    ),
     (
         "--batching",
         dict(
             choices=("adaptive", "static"),
-            default="adaptive",
+            default=SchedulerConfig.batching,
             help="adaptive: step budgets from measured step costs and --itl-target-ms, "
             "earliest deadline first; static: fixed chunks, first come first served",
         ),
     ),
     (
         "--itl-target-ms",
-        dict(type=float, default=None, help="inter-token target (default: 10x a decode step)"),
+        dict(
+            type=float,
+            default=SchedulerConfig.itl_target_ms,
+            help="inter-token target (default: 10x a decode step)",
+        ),
     ),
-    ("--session-ttl", dict(type=float, default=1800.0, help="seconds an idle chat keeps KV")),
+    (
+        "--session-ttl",
+        dict(
+            type=float,
+            default=CacheConfig.session_ttl_s,
+            help="seconds an idle chat keeps KV",
+        ),
+    ),
     (
         "--kv-tier",
         dict(
             type=TierConfig.parse,
             # Host memory by default: 2 GiB, twice the default KV cache, filled only by
-            # K/V that the pool let go of (see README, "KV tier").
+            # K/V that the pool let go of (see docs/kv_tier.md).
             default="memory",
             help="where K/V goes when it leaves the KV cache: none, memory[:SIZE] "
             "(2GiB), redis://[:password@]host:port/db, or a folder[:SIZE]",
         ),
     ),
-    ("--kv-tier-ttl", dict(type=float, default=86400.0, help="seconds a Redis tier key lives")),
+    (
+        "--kv-tier-ttl",
+        dict(type=float, default=TierConfig.ttl_s, help="seconds a Redis tier key lives"),
+    ),
     (
         "--kv-tier-store",
         dict(
@@ -117,7 +147,14 @@ FLAGS: list[tuple[str, dict]] = [
         ),
     ),
     ("--max-turns-per-socket", dict(type=int, default=8)),
-    ("--max-waiting", dict(type=int, default=256, help="queued requests before 429/busy")),
+    (
+        "--max-waiting",
+        dict(
+            type=int,
+            default=SchedulerConfig.max_waiting,
+            help="queued requests before 429/busy",
+        ),
+    ),
     ("--max-connections", dict(type=int, default=256, help="open /ws sockets")),
     (
         "--max-connections-per-client",
@@ -131,7 +168,14 @@ FLAGS: list[tuple[str, dict]] = [
         "--idle-timeout",
         dict(type=float, default=300.0, help="seconds a /ws socket carrying no turn may be silent"),
     ),
-    ("--request-timeout", dict(type=float, default=600.0, help="seconds a request may run")),
+    (
+        "--request-timeout",
+        dict(
+            type=float,
+            default=SchedulerConfig.request_timeout_s,
+            help="seconds a request may run",
+        ),
+    ),
     (
         "--resume-grace",
         dict(
@@ -236,9 +280,22 @@ FLAGS: list[tuple[str, dict]] = [
     ),
     (
         "--replicas",
-        dict(type=int, default=1, help="engine replicas on Ray (1: no Ray, one engine here)"),
+        dict(
+            type=int,
+            default=ClusterConfig.replicas,
+            help="engine replicas on Ray (1: no Ray, one engine here)",
+        ),
     ),
     ("--ray-address", dict(default=None, help="join this Ray cluster (default: start one)")),
+    (
+        "--simulate-replicas",
+        dict(
+            type=float,
+            default=None,
+            metavar="STEPS_PER_S",
+            help="benchmarks: replicas without a model, one token per request per step",
+        ),
+    ),
     ("--log-level", dict(default="info")),
     ("--prompt", dict(help="print the reply to this user message and exit (no server)")),
     ("--system", dict(help="a system prompt for --prompt")),
@@ -266,7 +323,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "journal (turns that survive a restart)": ("--journal", "--journal-required",
                                                "--journal-consumer", "--journal-claim-after",
                                                "--journal-timeout"),
-    "cluster": ("--replicas", "--ray-address"),
+    "cluster": ("--replicas", "--ray-address", "--simulate-replicas"),
     "one reply in the terminal": ("--prompt", "--system", "--max-tokens", "--temperature"),
 }  # fmt: skip
 OTHER_GROUP = "other"
@@ -362,7 +419,6 @@ def server_config(args: argparse.Namespace):
     import socket
     from pathlib import Path
 
-    from app.config import ClusterConfig
     from app.server.app import ServerConfig
     from app.server.chat_service import ChatConfig
     from app.server.journal import JournalConfig
@@ -376,7 +432,7 @@ def server_config(args: argparse.Namespace):
     if args.journal:
         journal = JournalConfig(
             args.journal,
-            required=str(args.journal_required).lower() in ("1", "true", "yes"),
+            required=flag_true(args.journal_required),
             # The same name after a restart: the server takes its own turns back at once.
             consumer=args.journal_consumer or f"{socket.gethostname()}:{args.port}",
             claim_after_s=args.journal_claim_after,
@@ -407,6 +463,7 @@ def server_config(args: argparse.Namespace):
             replicas=args.replicas,
             ray_address=args.ray_address,
             threads_per_replica=args.threads if args.replicas > 1 else None,
+            simulate_steps_per_s=args.simulate_replicas,
         ),
         streams=StreamsConfig(grace_s=args.resume_grace),
         journal=journal,
@@ -506,6 +563,7 @@ class ReadyServer:
 
 def generate_once(args: argparse.Namespace) -> None:
     from app.chat.prompt import Message
+    from app.engine.engine_request import EngineRequest
     from app.engine.request import SamplingParams
     from app.llm import LLM
 
@@ -514,7 +572,7 @@ def generate_once(args: argparse.Namespace) -> None:
     messages.append(Message("user", args.prompt))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     engine = llm.engine
-    engine.add_request("cli", llm.chat_prompt(messages), params)
+    engine.add_request(EngineRequest(llm.chat_prompt(messages), params, "cli"))
     out = None
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -235,6 +235,13 @@ def redact_url(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}{tail}"
 
 
+# Text longer than this (in characters) is tokenized, or a history rendered, on a worker
+# thread rather than on the event loop that sends every other stream's tokens: a 1 MiB
+# paste takes the tokenizer a good part of a second. Shorter text is quicker done inline
+# than handed over. One threshold for the engine, the cluster's front and the chat service.
+INLINE_TEXT_CHARS = 8192
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs."""
@@ -266,8 +273,17 @@ class ClusterConfig:
     ray_address: str | None = None  # None: start a local Ray; else join this cluster
     threads_per_replica: int | None = None  # None: this machine's cores / replicas
     rebalance_threshold: int = 4  # a conversation leaves its replica past this extra load
+    # A prompt without a routing key goes by cached prefix when it shares this many blocks.
+    min_prefix_blocks: int = 2
+    # Benchmarks: replicas without a model that step this many times a second (one token
+    # per running request each step), to measure the front alone. None: real engines.
+    simulate_steps_per_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.simulate_steps_per_s is not None and self.simulate_steps_per_s <= 0:
+            raise ValueError("simulate_steps_per_s must be > 0")
+        if self.min_prefix_blocks < 1:
+            raise ValueError("min_prefix_blocks must be at least 1")
         if self.replicas < 1:
             raise ValueError("replicas must be at least 1")
         if self.threads_per_replica is not None and self.threads_per_replica < 1:

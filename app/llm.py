@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from app.chat.prompt import ChatPrompt, Message
 from app.config import EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import FinishReason, SamplingParams, Timings
 from app.model.loader import LoadedModel
 
@@ -76,7 +77,7 @@ class LLM:
         results: dict[str, Completion] = {}
         order = []
         for prompt, p in zip(prompts, params, strict=True):
-            req = self.engine.add_request(None, prompt, p)
+            req = self.engine.add_request(EngineRequest(prompt, p))
             results[req.request_id] = Completion(req.request_id, list(req.prompt_token_ids))
             order.append(req.request_id)
         while self.engine.has_unfinished_requests():

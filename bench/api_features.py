@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.config import CacheConfig, EngineConfig, GiB, ModelConfig
 from app.engine import model_runner, structured
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import ResponseFormat, SamplingParams
 from app.model.loader import load_model
 from bench.engine_throughput import chat_ids, long_prompt, short_prompts
@@ -77,11 +78,13 @@ def drive(engine: LLMEngine) -> dict:
 def n_vs_separate(engine: LLMEngine, run: int) -> dict:
     prompt = long_prompt(engine.tokenizer, 500, f"n-{run}")  # a fresh prompt each run
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=32, ignore_eos=True)
-    engine.add_request(f"n8-{run}", prompt, SamplingParams(**{**params.__dict__, "n": 8}))
+    engine.add_request(
+        EngineRequest(prompt, SamplingParams(**{**params.__dict__, "n": 8}), f"n8-{run}")
+    )
     together = drive(engine)
     prompt = long_prompt(engine.tokenizer, 500, f"sep-{run}")
     for i in range(8):
-        engine.add_request(f"sep{i}-{run}", prompt, params)
+        engine.add_request(EngineRequest(prompt, params, f"sep{i}-{run}"))
     apart = drive(engine)
     return {"n8": together, "separate8": apart,
             "ratio_time": together["seconds"] / apart["seconds"],
@@ -115,7 +118,7 @@ def mask_cost(engine: LLMEngine, concurrency: int) -> dict:
         fmt = ResponseFormat("json_schema", json.dumps(SCHEMA))
         for i, p in enumerate(short_prompts(engine.tokenizer, concurrency)):
             params = SamplingParams(temperature=0.8, seed=i, max_tokens=80, response_format=fmt)
-            engine.add_request(f"json{concurrency}-{i}", p, params)
+            engine.add_request(EngineRequest(p, params, f"json{concurrency}-{i}"))
         r = drive(engine)
     finally:
         (model_runner.token_masks, structured.TokenMasks.apply,
@@ -139,7 +142,7 @@ def logprobs_cost(engine: LLMEngine, concurrency: int, repeats: int) -> dict:
                 for i, p in enumerate(prompts):
                     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
                                             logprobs=5 if mode == "on" else None)  # fmt: skip
-                    engine.add_request(f"lp-{mode}-{i}", p, params)
+                    engine.add_request(EngineRequest(p, params, f"lp-{mode}-{i}"))
                 r = drive(engine)
                 timings[mode].append((r["seconds"], clock.seconds - before, r["steps"]))
     finally:

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.config import CacheConfig, EngineConfig, ModelConfig
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.llm import LLM
 
@@ -69,7 +70,7 @@ def main() -> None:
     words = " ".join(["lighthouse"] * max(args.context - 20, 1))
     ids = llm.chat_prompt([{"role": "user", "content": f"Tell me a story. {words}"}])
     params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 40, ignore_eos=True)
-    engine.add_request(None, ids, params)
+    engine.add_request(EngineRequest(ids, params))
     while engine.step() == [] or engine.scheduler.running[0].num_output_tokens < 10:
         pass  # the prompt, then a few decodes to warm up
     times = []

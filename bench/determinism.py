@@ -9,7 +9,7 @@ difference upstream can flip a rounding and, at a near tie, the token.
 A second table takes greedy replies cut at a few points and continued the two ways a
 resumed turn can be (app.server.turn_runner): from one prefill of the prompt plus the
 tokens before the cut, or replaying those tokens one decode step each
-(SamplingParams.replay_ids); it counts continuations that differ from the whole reply.
+(EngineRequest.replay_ids); it counts continuations that differ from the whole reply.
 
     python bench/determinism.py [--formats none:float32,int4:float32,auto:auto] [--seeds 8]
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from app.config import CacheConfig, EngineConfig, ModelConfig
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.llm import LLM
 
@@ -54,10 +55,19 @@ def resumed(llm: LLM, ids: list[int], max_tokens: int = 64) -> tuple[int, int]:
         rest = SamplingParams(temperature=0, max_tokens=max_tokens - cut, ignore_eos=True)
         prefilled += llm.generate([ids + whole[:cut]], rest)[0].token_ids != whole[cut:]
         llm.engine.kv.pool.reset_prefix_cache()
-        replay = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                replay_ids=tuple(whole[:cut]))  # fmt: skip
-        replayed += llm.generate([ids], replay)[0].token_ids != whole[cut:]
+        greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        replayed += replay(llm, EngineRequest(ids, greedy, replay_ids=whole[:cut])) != whole[cut:]
     return prefilled, replayed
+
+
+def replay(llm: LLM, asked: EngineRequest) -> list[int]:
+    """The output ids of one request through the engine (LLM.generate takes no replay)."""
+    llm.engine.add_request(asked)
+    out: list[int] = []
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            out += o.new_token_ids
+    return out
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.config import CacheConfig, EngineConfig, ModelConfig, parse_size
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model.loader import load_model
 
@@ -83,7 +84,7 @@ def parley_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"b{i}", p, params)
+        engine.add_request(EngineRequest(p, params, f"b{i}"))
     tokens = 0
     first_tokens, finishes = [], []
     while engine.has_unfinished_requests():
@@ -100,7 +101,7 @@ def parley_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -
 
 def parley_ttft(engine: LLMEngine, prompt: list[int]) -> float:
     engine.kv.pool.reset_prefix_cache()
-    engine.add_request("ttft", prompt, SamplingParams(temperature=0, max_tokens=1))
+    engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=1), "ttft"))
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -114,13 +115,15 @@ def parley_itl_under_long_prefill(
     engine.kv.pool.reset_prefix_cache()
     params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"d{i}", p, params)
+        engine.add_request(EngineRequest(p, params, f"d{i}"))
     arrivals: dict[str, list[float]] = {f"d{i}": [] for i in range(len(prompts))}
     long_added = long_first = None
     step = 0
     while engine.has_unfinished_requests():
         if step == 20:
-            engine.add_request("long", long, SamplingParams(temperature=0, max_tokens=1))
+            engine.add_request(
+                EngineRequest(long, SamplingParams(temperature=0, max_tokens=1), "long")
+            )
             long_added = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()

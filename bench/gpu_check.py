@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads (head_dim = hidden / heads)
@@ -98,7 +99,7 @@ def cmd_logits(args) -> None:
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         ps = prompts(eng.tokenizer, 8)
         for i, p in enumerate(ps):
-            eng.add_request(f"g{i}", p, params)
+            eng.add_request(EngineRequest(p, params, f"g{i}"))
         got: dict[str, list[int]] = {}
         while eng.has_unfinished_requests():
             for out in eng.step():  # deltas
@@ -134,7 +135,7 @@ def parley_tok_s(eng: LLMEngine, ps: list[list[int]], max_tokens: int) -> float:
 
     def go() -> None:
         for i, p in enumerate(ps):
-            eng.add_request(f"t{time.monotonic_ns()}-{i}", p, params)
+            eng.add_request(EngineRequest(p, params, f"t{time.monotonic_ns()}-{i}"))
         while eng.has_unfinished_requests():
             eng.step()
 

@@ -93,10 +93,11 @@ def history_ids(tokenizer, n: int) -> list[int]:
 
 
 def ttft(engine, prompt: list[int], rid: str, use_prefix_cache: bool = True):
+    from app.engine.engine_request import EngineRequest
     from app.engine.request import SamplingParams
 
-    req = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=1), rid,
-                              use_prefix_cache=use_prefix_cache)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=1)
+    req = engine.make_request(EngineRequest(prompt, params, rid, use_prefix_cache=use_prefix_cache))
     engine.add(req)
     last = None
     while engine.has_unfinished_requests():

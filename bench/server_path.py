@@ -35,6 +35,7 @@ def engine_alone(args) -> float:
     """Run in a child process: one request through LLMEngine, decode tok/s."""
     from app.__main__ import build_parser, engine_config
     from app.chat.prompt import Message
+    from app.engine.engine_request import EngineRequest
     from app.engine.request import SamplingParams
     from app.llm import LLM
 
@@ -44,7 +45,7 @@ def engine_alone(args) -> float:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))  # warm-up
     engine = llm.engine
-    engine.add_request("r", prompt, params)
+    engine.add_request(EngineRequest(prompt, params, "r"))
     stamps = []
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -58,12 +58,14 @@ class ChatPrompt:
         generated: Mapping[str, list[int]] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         continue_final: bool = False,
+        template_args: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of `messages`, ready for the assistant's reply. `generated` maps a
         reply's text to the ids the model produced for it; `tools` (OpenAI's tool
         definitions) go to a template that renders them (app.chat.tools). With
         `continue_final`, the last message (the assistant's, cut at its length limit) is
-        left open for the reply to go on from its last token."""
+        left open for the reply to go on from its last token. `template_args` go to the
+        template as variables (enable_thinking, reasoning_effort: app.chat.formats)."""
         generated = generated or {}
         spliced: list[list[int]] = []
         items = []
@@ -74,6 +76,7 @@ class ChatPrompt:
                 spliced.append(generated[m.content])
             items.append({**m.to_dict(), "content": content})
         extra = {"tools": list(tools)} if tools else {}
+        extra.update(template_args or {})
         text = self.tokenizer.apply_chat_template(
             items,
             tokenize=False,

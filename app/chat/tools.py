@@ -5,22 +5,19 @@ renders the definitions it is given (transformers passes them as `tools`). The d
 model's (SmolLM2-135M-Instruct) does not, so a request with tools is refused there rather
 than answered as if the tools were not there.
 
-A reply's calls are parsed in the Hermes / Qwen format that most tool-trained templates
-use: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them.
-`tool_choice` "required" or a named function constrains the reply instead: it must be one
-JSON call object whose arguments follow the tool's parameter schema (a response_format).
+A reply's calls are parsed in the format of the model's family, as the reply streams
+(app.chat.formats). `tool_choice` "required" or a named function constrains the reply
+instead: it must be one JSON call object whose arguments follow the tool's parameter
+schema (a response_format).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def supports_tools(tokenizer: Any) -> bool:
@@ -53,25 +50,6 @@ def _call(obj: Any) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
     return ToolCall("call_" + uuid.uuid4().hex[:24], obj["name"], text)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The reply's text outside its <tool_call> blocks, and the calls in them (a block
-    that is not a call object stays in the text)."""
-    calls: list[ToolCall] = []
-
-    def take(match: re.Match[str]) -> str:
-        try:
-            call = _call(json.loads(match.group(1)))
-        except json.JSONDecodeError:
-            call = None
-        if call is None:
-            return match.group(0)
-        calls.append(call)
-        return ""
-
-    content = _CALL.sub(take, text).strip()
-    return content, calls
 
 
 def parse_forced_call(text: str) -> list[ToolCall]:

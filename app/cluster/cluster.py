@@ -18,19 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from app.cluster.replica import Replica
-from app.cluster.router import Router
-from app.config import ClusterConfig, EngineConfig
+from app.cluster.replica import Relayed, Replica, ReplicaBeat
+from app.cluster.router import Router, prompt_block_hashes
+from app.cluster.simulated import SimulatedReplica
+from app.config import INLINE_TEXT_CHARS, ClusterConfig, EngineConfig
+from app.engine.continuation import Continuation
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import EngineDead
 from app.engine.outputs import (
     EngineListener,
@@ -40,7 +44,6 @@ from app.engine.outputs import (
     ReplicaStats,
     RequestOutput,
 )
-from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -48,8 +51,13 @@ log = logging.getLogger(__name__)
 REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 MONITOR_INTERVAL_S = 1.0
 PING_TIMEOUT_S = 5.0
-ROUTING_PREFIX_TOKENS = 64  # a request without a key is routed by its prompt's start
-INLINE_PROMPT_CHARS = 8192
+PUBLISHED_BLOCKS = 4096  # block hashes a replica publishes with each heartbeat
+MAX_SESSIONS = 100_000  # sessions whose replicas are remembered (to release their pins)
+_GONE = object()  # queued to a request whose replica's stream broke
+
+
+class ReplicaLost(Exception):
+    """The stream of the replica serving a request broke (the replica or its node died)."""
 
 
 class RayCluster:
@@ -72,14 +80,19 @@ class RayCluster:
             )
         n = cluster.replicas
         threads = cluster.threads_per_replica or max(1, (os.cpu_count() or 1) // n)
+        simulated = cluster.simulate_steps_per_s is not None
         cpus = ray.cluster_resources().get("CPU", 0)
-        if cpus < n * threads:
+        if not simulated and cpus < n * threads:
             raise ValueError(
                 f"{n} replicas of {threads} threads need {n * threads} CPUs; the Ray "
                 f"cluster has {cpus:g}"
             )
-        actor = ray.remote(Replica).options(
-            num_cpus=threads, max_restarts=-1, max_task_retries=0, max_concurrency=1000
+        body = SimulatedReplica if simulated else Replica
+        actor = ray.remote(body).options(
+            num_cpus=0 if simulated else threads,  # a simulated one computes nothing
+            max_restarts=-1,
+            max_task_retries=0,
+            max_concurrency=1000,
         )
         # --threads pins each replica's count; else each chooses its own (app.engine.threads)
         # within its share, fewer while its CPUs are contended.
@@ -87,11 +100,19 @@ class RayCluster:
             config, num_threads=cluster.threads_per_replica, max_threads=threads
         )
         # Held for as long as the cluster lives: Ray restarts a dead replica from them.
-        self._replica_args = (ray.put(per_replica), ray.put(loaded))
+        self._replica_args: tuple[Any, ...] = (ray.put(per_replica), ray.put(loaded))
+        if simulated:
+            self._replica_args += (cluster.simulate_steps_per_s,)
         self.replicas = [actor.remote(*self._replica_args) for _ in range(n)]
         self._info: ModelInfo = ray.get(self.replicas[0].info.remote())
         ray.get([r.healthy.remote() for r in self.replicas])
-        self.router = Router(cluster.rebalance_threshold)
+        self.router = Router(cluster.rebalance_threshold, cluster.min_prefix_blocks)
+        self._block_size = config.cache.block_size
+        self._front = uuid.uuid4().hex  # this front's name on the replicas' streams
+        self._inboxes: dict[str, asyncio.Queue[Any]] = {}  # request id -> its outputs
+        self._relays: dict[int, asyncio.Task[None]] = {}  # replica -> its stream's reader
+        self._lost_at: dict[int, float] = {}  # replica -> when its stream last broke
+        self._visited: OrderedDict[str, set[int]] = OrderedDict()  # session -> its replicas
         self.live: set[int] = set(range(n))
         self.in_flight = dict.fromkeys(range(n), 0)
         self._stats: dict[int, EngineStats] = {}
@@ -114,10 +135,11 @@ class RayCluster:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in [self._monitor, *self._relays.values()]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for replica in self.replicas:
             ray.kill(replica, no_restart=True)
         if self._owns_ray:
@@ -135,7 +157,9 @@ class RayCluster:
             self.replicas[replica].abort.remote(request_id)
 
     def release_session(self, session_id: str) -> None:
-        for replica in self.live:  # it may have pins on any replica it ever visited
+        # It may have pins on any replica it visited (all, once forgotten which).
+        visited = self._visited.pop(session_id, self.live)
+        for replica in visited & self.live:
             self.replicas[replica].release_session.remote(session_id)
         self.router.forget(session_id)
 
@@ -168,20 +192,13 @@ class RayCluster:
             routing=dict(self.router.decisions),
         )
 
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None = None,
-        use_prefix_cache: bool = True,
-        cache_salt: str | None = None,
-        routing_key: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, asked: EngineRequest) -> AsyncIterator[RequestOutput]:
         if not self.healthy():
             raise EngineDead("no engine replica is running; retry shortly")
-        ids = await self._token_ids(prompt)
-        key = session_id or routing_key or _prefix_key(ids, cache_salt)
+        request_id, params, session_id = asked.request_id, asked.params, asked.session_id
+        ids = await self._token_ids(asked.prompt)
+        key = session_id or asked.routing_key
+        hashes = None if key else prompt_block_hashes(ids, asked.cache_salt, self._block_size)
         sent: list[int] = []  # output token ids already passed on
         first: RequestOutput | None = None
         tried = 0
@@ -190,40 +207,56 @@ class RayCluster:
             loads = {i: self.in_flight[i] for i in self.live}
             if not loads:
                 raise EngineDead("no engine replica is running; retry shortly")
-            replica, _ = self.router.pick(key, loads)
-            prompt, resumed, done = _resumed(ids, params, sent)
+            if hashes is None:
+                replica, _ = self.router.pick(key, loads)
+            else:
+                replica, _ = self.router.pick_by_prefix(hashes, loads)
+            # A request cut after `sent` tokens (its replica died) goes on from them.
+            cont = Continuation.of(ids, sent, params)
+            if cont is None:
+                return  # its budget was spent: nothing more comes
+            inbox: asyncio.Queue[Any] = asyncio.Queue()
+            self._inboxes[request_id] = inbox
             self.in_flight[replica] += 1
             self._where[request_id] = replica
-            finished = False
+            if session_id is not None:
+                self._visit(session_id, replica)
+            open_choices, ended = params.n, False
             try:
-                stream = (
-                    self.replicas[replica]
-                    .generate.options(num_returns="streaming")
-                    .remote(prompt, resumed, request_id, session_id, use_prefix_cache, cache_salt)
-                )
-                async for ref in stream:
-                    item = await ref
-                    if isinstance(item, FinishedRequestStats):
-                        self._tell_finished(item, len(ids), first, done)
-                        continue
-                    out = _continued(item, len(ids), first, done)
-                    first = first or out
-                    sent += item.new_token_ids
-                    now = time.monotonic()
-                    if item.new_token_ids:
-                        gap = None if last_token_at is None else now - last_token_at
-                        last_token_at = now
-                        for listener in self._listeners:
-                            listener.on_tokens(request_id, len(item.new_token_ids), gap)
-                    finished = out.finished
-                    yield out
+                self._relay(replica)
+                await self.replicas[replica].submit.remote(self._front, cont.request(asked))
+                while not ended:
+                    for item in _merged(await inbox.get(), inbox):
+                        if isinstance(item, RequestOutput):
+                            open_choices -= item.finished
+                            cached = first.cached_tokens if first is not None else None
+                            out = cont.output(item, cached)
+                            first = first or out
+                            sent += item.new_token_ids
+                            if item.new_token_ids:
+                                now = time.monotonic()
+                                gap = None if last_token_at is None else now - last_token_at
+                                last_token_at = now
+                                for listener in self._listeners:
+                                    listener.on_tokens(request_id, len(item.new_token_ids), gap)
+                            yield out
+                        elif item is _GONE:
+                            raise ReplicaLost(replica)
+                        elif isinstance(item, BaseException):  # refused: bad input, busy
+                            raise item
+                        else:  # the request's end: its stats, or None
+                            ended = True
+                            if item is not None:
+                                cached = first.cached_tokens if first is not None else None
+                                self._tell_finished(cont.stats(item, cached))
+                            break
                 return
-            except RayTaskError as exc:  # the replica refused it (bad input, overloaded)
+            except RayTaskError as exc:  # the replica failed to take it
                 cause = exc.cause
                 raise (cause if isinstance(cause, Exception) else exc) from None
-            except REPLICA_GONE:
+            except (*REPLICA_GONE, ReplicaLost):
                 tried += 1
-                self.live.discard(replica)
+                self._lost(replica)
                 log.warning(
                     "replica %d died serving %s; resuming it elsewhere after %d tokens",
                     replica, request_id, len(sent),
@@ -232,12 +265,14 @@ class RayCluster:
                     raise EngineDead("engine replicas keep failing; retry shortly") from None
             finally:
                 self.in_flight[replica] -= 1
-                if not finished and replica in self.live:
+                if open_choices > 0 and not ended and replica in self.live:
                     # Left early (a cancel, a client gone): stop the work where it runs.
                     with contextlib.suppress(Exception):
                         self.replicas[replica].abort.remote(request_id)
                 if self._where.get(request_id) == replica:
                     del self._where[request_id]
+                if self._inboxes.get(request_id) is inbox:
+                    del self._inboxes[request_id]
 
     # -- inside ------------------------------------------------------------------------------
 
@@ -247,20 +282,11 @@ class RayCluster:
         if not isinstance(prompt, str):
             return list(prompt)
         encode = self._info.tokenizer.encode
-        if len(prompt) > INLINE_PROMPT_CHARS:
+        if len(prompt) > INLINE_TEXT_CHARS:
             return await asyncio.to_thread(encode, prompt, add_special_tokens=False)
         return encode(prompt, add_special_tokens=False)
 
-    def _tell_finished(
-        self, stats: FinishedRequestStats, num_prompt: int, first: RequestOutput | None, done: int
-    ) -> None:
-        if done and first is not None:  # resumed: the request as the client saw it
-            stats = dataclasses.replace(
-                stats,
-                num_prompt_tokens=num_prompt,
-                num_cached_tokens=first.cached_tokens,
-                num_output_tokens=stats.num_output_tokens + done,
-            )
+    def _tell_finished(self, stats: FinishedRequestStats) -> None:
         for listener in self._listeners:
             listener.on_finished(stats)
 
@@ -276,22 +302,77 @@ class RayCluster:
             cpu_threads=s.cpu_threads if s else 0,
         )
 
+    def _visit(self, session_id: str, replica: int) -> None:
+        self._visited.setdefault(session_id, set()).add(replica)
+        self._visited.move_to_end(session_id)
+        while len(self._visited) > MAX_SESSIONS:
+            self._visited.popitem(last=False)
+
+    def _relay(self, i: int) -> None:
+        """Read replica i's stream (once per replica and life of its actor)."""
+        if i not in self._relays:
+            self._relays[i] = asyncio.get_running_loop().create_task(self._read_stream(i))
+
+    async def _read_stream(self, i: int) -> None:
+        """One item per engine step of replica i (its outputs for all of this front's
+        requests), fanned out to the requests' inboxes. When the stream breaks, every
+        request the replica was serving resumes elsewhere."""
+        try:
+            stream = self.replicas[i].stream.options(num_returns="streaming").remote(self._front)
+            async for ref in stream:
+                batch: list[Relayed] = await ref
+                inboxes = self._inboxes
+                for request_id, item in batch:
+                    inbox = inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.put_nowait(item)
+        except asyncio.CancelledError:
+            raise
+        except REPLICA_GONE:
+            pass
+        except Exception:
+            log.exception("the stream of engine replica %d failed", i)
+        finally:
+            del self._relays[i]
+        if not self._stopping:
+            self._lost(i)
+
+    def _lost(self, i: int) -> None:
+        """Replica i is gone (or not answering): route nothing to it, and move what it
+        served."""
+        self.live.discard(i)
+        self._lost_at[i] = time.monotonic()
+        self.router.drop(i)
+        for request_id, replica in list(self._where.items()):
+            if replica == i and request_id in self._inboxes:
+                self._inboxes[request_id].put_nowait(_GONE)
+
     async def _watch(self) -> None:
         """Ping every replica: who is live (a restarted actor comes back), and their
         counters for /metrics."""
         while True:
             for i, replica in enumerate(self.replicas):
+                asked = time.monotonic()
                 try:
-                    stats = await asyncio.wait_for(_await(replica.stats.remote()), PING_TIMEOUT_S)
-                except (TimeoutError, *REPLICA_GONE):
+                    beat: ReplicaBeat = await asyncio.wait_for(
+                        _await(replica.heartbeat.remote(PUBLISHED_BLOCKS)), PING_TIMEOUT_S
+                    )
+                except TimeoutError:  # busy, or on its way out: route around it for now
                     if i in self.live:
                         log.warning("engine replica %d is not answering", i)
                     self.live.discard(i)
                     continue
+                except REPLICA_GONE:
+                    self._lost(i)
+                    continue
+                if self._lost_at.get(i, 0.0) > asked:
+                    continue  # it answered before it was lost: not a sign of life
+                self._relay(i)
                 if i not in self.live:
                     log.info("engine replica %d is live", i)
                 self.live.add(i)
-                self._stats[i] = stats
+                self._stats[i] = beat.stats
+                self.router.publish(i, beat.block_hashes)
             await asyncio.sleep(MONITOR_INTERVAL_S)
 
 
@@ -299,36 +380,20 @@ async def _await(ref: Any) -> Any:
     return await ref
 
 
-def _prefix_key(ids: list[int], salt: str | None) -> str:
-    """Requests that start alike go alike: their shared prefix is cached there."""
-    h = hashlib.blake2b(repr((salt, ids[:ROUTING_PREFIX_TOKENS])).encode(), digest_size=12)
-    return "prefix:" + h.hexdigest()
-
-
-def _resumed(
-    ids: list[int], params: SamplingParams, sent: list[int]
-) -> tuple[list[int], SamplingParams, int]:
-    """What a request cut after `sent` tokens is sent to another replica as: its prompt,
-    its params, and how many tokens of its output its prompt carries. Where it can
-    (SamplingParams.can_replay) the replica replays them and outputs only what follows;
-    otherwise they become prompt and the seed's random stream moves on by them."""
-    if not sent:
-        return ids, params, 0
-    if params.can_replay(len(sent)):
-        return ids, params.replaying(sent), 0
-    return ids + sent, params.after(len(sent)), len(sent)
-
-
-def _continued(
-    out: RequestOutput, num_prompt: int, first: RequestOutput | None, done: int
-) -> RequestOutput:
-    """A resumed request's output as the client's request: its prompt was the client's
-    prompt plus the `done` tokens already sent."""
-    if not done:
-        return out
-    return dataclasses.replace(
-        out,
-        prompt_tokens=num_prompt,
-        cached_tokens=first.cached_tokens if first else out.cached_tokens,
-        completion_tokens=out.completion_tokens + done,
-    )
+def _merged(first: Any, inbox: asyncio.Queue[Any]) -> list[Any]:
+    """`first` and whatever else is queued, consecutive outputs of a choice folded into
+    one (a front that falls behind sends fewer, larger deltas); anything else (an end, an
+    error, a lost replica) stays where it was."""
+    items = [first]
+    while not inbox.empty():
+        later = inbox.get_nowait()
+        last = items[-1]
+        if (
+            isinstance(later, RequestOutput)
+            and isinstance(last, RequestOutput)
+            and later.index == last.index
+        ):
+            items[-1] = last.merge(later)
+        else:
+            items.append(later)
+    return items

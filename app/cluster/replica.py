@@ -1,20 +1,62 @@
 """One engine replica: an AsyncEngine in a Ray actor process of its own.
 
-The actor streams a request's outputs as a Ray streaming generator, then the request's
-frozen stats, so that the front's metrics and tracing see what an in-process engine
-would tell them.
+The front submits a request (`submit`, answered as soon as the request is queued) and
+reads every request's outputs through one long-lived stream per front (`stream`): each
+item is a list of what the replica produced since the last item, usually one engine
+step's outputs for all of its requests. One Ray item per step instead of one per request
+and token keeps the front's CPU per relayed token small. A request's outputs end with its
+frozen stats (FinishedRequestStats, for the front's metrics and tracing), or None when
+there are none, or the exception that refused it (bad input, overloaded).
+
+`heartbeat` answers the front's ping: the engine's counters and the hashes of the KV
+blocks this replica holds, for prefix-aware routing (router.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine, settle_heap
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import EngineStats, FinishedRequestStats, ModelInfo, RequestOutput
-from app.engine.request import SamplingParams
 from app.model.loader import LoadedModel
+
+# One relayed item: (request id, an output | the request's end: its stats, None, an error)
+Relayed = tuple[str, RequestOutput | FinishedRequestStats | BaseException | None]
+EARLY_ABORTS = 1024  # aborts remembered for requests not (yet) submitted
+
+
+@dataclass(frozen=True)
+class ReplicaBeat:
+    """A replica's answer to the front's ping."""
+
+    stats: EngineStats
+    block_hashes: tuple[bytes, ...]  # of blocks it holds, most recently cached last
+
+
+@dataclass
+class Outbox:
+    """What one front has not read yet."""
+
+    items: list[Relayed] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: Relayed) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list[Relayed]:
+        """Everything queued, once there is something. Outputs of one step are queued
+        by their requests' tasks before this one runs again, so they leave together."""
+        await self.ready.wait()
+        self.ready.clear()
+        items, self.items = self.items, []
+        return items
 
 
 class Replica:
@@ -23,6 +65,9 @@ class Replica:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.engine = AsyncEngine.build(config, loaded)  # see AsyncEngine's docstring
         self._finished: dict[str, FinishedRequestStats] = {}
+        self._outboxes: dict[str, Outbox] = {}  # front id -> its unread outputs
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # request id -> its relay
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self.engine.add_listener(self)
         self.engine.start()
         settle_heap()  # the actor's process is this replica's alone, as the server's is
@@ -40,32 +85,42 @@ class Replica:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        import ray  # only ever run inside a Ray actor
+
+        return ray.get_runtime_context().get_node_id()
+
     def healthy(self) -> bool:
         return self.engine.healthy()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def generate(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None,
-        use_prefix_cache: bool,
-        cache_salt: str | None,
-    ) -> AsyncIterator[RequestOutput | FinishedRequestStats]:
-        try:
-            async for out in self.engine.generate(
-                prompt, params, request_id, session_id, use_prefix_cache, cache_salt
-            ):
-                yield out
-        finally:
-            stats = self._finished.pop(request_id, None)
-        if stats is not None:
-            yield stats
+    def heartbeat(self, max_hashes: int) -> ReplicaBeat:
+        hashes = self.engine.engine.kv.pool.cached_hashes(max_hashes)
+        return ReplicaBeat(self.engine.stats(), tuple(hashes))
+
+    def submit(self, front: str, asked: EngineRequest) -> None:
+        """Queue a request; its outputs go to `front`'s stream."""
+        request_id = asked.request_id
+        box = self._outbox(front)
+        if request_id in self._early_aborts:  # cancelled before it got here
+            del self._early_aborts[request_id]
+            box.put((request_id, None))
+            return
+        self._tasks[request_id] = asyncio.get_running_loop().create_task(self._run(box, asked))
+
+    async def stream(self, front: str) -> AsyncIterator[list[Relayed]]:
+        """Every output for `front`'s requests, batched by step, for as long as it reads."""
+        box = self._outbox(front)
+        while True:
+            yield await box.take()
 
     def abort(self, request_id: str) -> None:
+        if request_id not in self._tasks:
+            self._early_aborts[request_id] = None
+            while len(self._early_aborts) > EARLY_ABORTS:
+                self._early_aborts.popitem(last=False)
         self.engine.abort(request_id)
 
     def release_session(self, session_id: str) -> None:
@@ -73,3 +128,24 @@ class Replica:
 
     async def stop(self) -> None:
         await self.engine.stop()
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _outbox(self, front: str) -> Outbox:
+        box = self._outboxes.get(front)
+        if box is None:
+            box = self._outboxes[front] = Outbox()
+        return box
+
+    async def _run(self, box: Outbox, asked: EngineRequest) -> None:
+        request_id = asked.request_id
+        end: FinishedRequestStats | BaseException | None = None
+        try:
+            async for out in self.engine.generate(asked):
+                box.put((request_id, out))
+        except Exception as exc:  # refused (bad input, overloaded): the front raises it
+            end = exc
+        finally:
+            stats = self._finished.pop(request_id, None)
+            self._tasks.pop(request_id, None)
+        box.put((request_id, stats if end is None else end))

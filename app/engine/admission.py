@@ -4,11 +4,12 @@ any thread may do it (AsyncEngine does it off the event loop for large prompts).
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter, ContextTooLong
 from app.engine.request import Request, SamplingParams
 from app.engine.structured import GrammarCompiler
@@ -27,24 +28,15 @@ class RequestMaker:
     eos_token_ids: frozenset[int]
     grammars: GrammarCompiler
 
-    def make(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        session_id: str | None = None,
-        use_prefix_cache: bool = True,
-        cache_salt: str | None = None,
-    ) -> Request:
+    def make(self, asked: EngineRequest) -> Request:
         """Validate and tokenize; touches no engine state, so any thread may call it.
         Raises BadParameter (ContextTooLong for a prompt that does not fit) with a
-        message fit for the user. A `session_id` keeps the
-        request's K/V pinned for that session's next turn (see session_pins);
-        `use_prefix_cache=False` computes every prompt token (for comparisons); requests
-        with different `cache_salt`s never share prefix-cache blocks. With params.n > 1
-        the request is choice 0 and carries the others in `forks`."""
-        params = params or SamplingParams()
+        message fit for the user. With params.n > 1 the request is choice 0 and carries
+        the others in `forks`."""
+        prompt, params, session_id = asked.prompt, asked.params, asked.session_id
         self._check_params(params, session_id)
+        if any(t >= self.vocab_size for t in asked.replay_ids):
+            raise BadParameter(f"replay_ids must be below {self.vocab_size}", "replay_ids")
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
@@ -79,10 +71,11 @@ class RequestMaker:
         if params.max_tokens == 0:
             max_tokens = 0  # scoring: the prompt's logprobs, nothing generated
         # Scoring a prompt needs logits at its every token: none may come from the cache.
-        use_prefix_cache = use_prefix_cache and params.prompt_logprobs is None
-        request_id = request_id or uuid.uuid4().hex
+        use_prefix_cache = asked.use_prefix_cache and params.prompt_logprobs is None
+        request_id, cache_salt = asked.request_id, asked.cache_salt
         req = self._choice(request_id, 0, token_ids, params, max_tokens, session_id,
                            use_prefix_cache, cache_salt)  # fmt: skip
+        req.replay_ids = asked.replay_ids
         if params.response_format is not None:
             req.grammar = self.grammars.compile(params.response_format, req.stop_token_ids)
         for i in range(1, params.n):
@@ -91,6 +84,11 @@ class RequestMaker:
             child.group_id = request_id
             child.grammar = req.grammar.fork() if req.grammar is not None else None
             req.forks.append(child)
+        if asked.seed_offset and params.seed is not None:
+            for choice in (req, *req.forks):
+                # The sampler draws one number per sampled token (app.engine.sampler), and n
+                # numbers drawn at once advance the generator exactly as n single draws do.
+                torch.rand(asked.seed_offset, generator=choice.generator)
         return req
 
     def _check_params(self, params: SamplingParams, session_id: str | None) -> None:
@@ -105,8 +103,6 @@ class RequestMaker:
         vocab = self.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise BadParameter(f"logit_bias token ids must be below {vocab}", "logit_bias")
-        if any(t >= vocab for t in params.replay_ids):
-            raise BadParameter(f"replay_ids must be below {vocab}", "replay_ids")
 
     def _choice(
         self,

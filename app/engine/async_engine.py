@@ -28,25 +28,25 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from app.config import EngineConfig
+from app.config import INLINE_TEXT_CHARS, EngineConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter, EngineDead, Overloaded
 from app.engine.outputs import EngineListener, EngineStats, ModelInfo, RequestOutput
-from app.engine.request import FinishReason, Request, SamplingParams
+from app.engine.request import FinishReason, Request
 from app.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-# Prompts this large are validated and tokenized on a worker thread: a 1 MiB paste takes
-# the tokenizer a good part of a second, which must not stall every other stream on the
-# event loop. Smaller ones are quicker to do inline than to hand over.
-INLINE_PROMPT_CHARS = 8192
+# Prompts larger than this are validated and tokenized on a worker thread (text: see
+# INLINE_TEXT_CHARS); token ids only need checking, quicker inline up to many more.
 INLINE_PROMPT_IDS = 32768
 
 
@@ -56,12 +56,28 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
 
+# What the event loop's side asks of the engine's thread, applied between steps.
+class _Add(NamedTuple):
+    request: Request  # made (validated, tokenized) on the caller's side
+
+
+class _Abort(NamedTuple):
+    request_id: str  # its blocks are freed before the next step
+
+
+class _Release(NamedTuple):
+    session_id: str  # its pinned K/V let go of
+
+
+_Message = _Add | _Abort | _Release
+
+
 class AsyncEngine:
     """Thread-backed asynchronous front of an LLMEngine."""
 
     def __init__(self, engine: LLMEngine, idle_check_s: float = 0.0) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -113,19 +129,11 @@ class AsyncEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        session_id: str | None = None,
-        use_prefix_cache: bool = True,
-        cache_salt: str | None = None,
-        routing_key: str | None = None,  # one engine: every request is at home here
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, asked: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes (each of its params.n choices;
         outputs carry their choice's `index`). Leaving the loop early (break,
-        cancellation, an exception in the consumer) aborts the request.
+        cancellation, an exception in the consumer) aborts the request. One engine
+        ignores `routing_key`: every request is at home here.
 
         Raises BadParameter / ContextTooLong for invalid input (before anything is
         queued), Overloaded when the queue is full and EngineDead when the loop is not
@@ -133,7 +141,7 @@ class AsyncEngine:
         """
         if not self.healthy():
             raise EngineDead("the engine is not running")
-        seats = params.n if params is not None else 1  # each choice runs as a sequence
+        seats = asked.params.n  # each choice runs as a sequence
         if self.num_in_flight + seats > self.capacity:
             raise Overloaded(
                 f"the server is busy: {self.num_in_flight} requests in flight "
@@ -144,16 +152,14 @@ class AsyncEngine:
         unfinished = seats
         stream: _Stream | None = None
         try:
-            req = await self._make_request(
-                prompt, params, request_id, session_id, use_prefix_cache, cache_salt
-            )
+            req = await self._make_request(asked)
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             with self._streams_lock:
                 if req.request_id in self._streams:
                     stream = None
                     raise BadParameter(f"request id {req.request_id!r} is already in use", "id")
                 self._streams[req.request_id] = stream
-            self._inbox.put(("add", req))
+            self._inbox.put(_Add(req))
             self._wake.set()
             while not finished:
                 for item in _merged(await stream.queue.get(), stream.queue):
@@ -170,31 +176,21 @@ class AsyncEngine:
                 if not finished:
                     self.abort(req.request_id)
 
-    async def _make_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str | None,
-        session_id: str | None,
-        use_prefix_cache: bool,
-        cache_salt: str | None,
-    ) -> Request:
-        args = (prompt, params, request_id, session_id, use_prefix_cache, cache_salt)
-        large = len(prompt) > (
-            INLINE_PROMPT_CHARS if isinstance(prompt, str) else INLINE_PROMPT_IDS
-        )
-        if params is not None and params.response_format is not None:
+    async def _make_request(self, asked: EngineRequest) -> Request:
+        prompt, params = asked.prompt, asked.params
+        large = len(prompt) > (INLINE_TEXT_CHARS if isinstance(prompt, str) else INLINE_PROMPT_IDS)
+        if params.response_format is not None:
             # Compiled on the grammar worker, off this loop, under its caps (structured.py);
             # its matcher (ms for a large grammar) is made off the loop too.
             await self.engine.grammars.prepare(params.response_format)
             large = True
         if large:
-            return await asyncio.to_thread(self.engine.make_request, *args)
-        return self.engine.make_request(*args)
+            return await asyncio.to_thread(self.engine.make_request, asked)
+        return self.engine.make_request(asked)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the next step. Thread-safe."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
         self._wake.set()
 
     def add_listener(self, listener: EngineListener) -> None:
@@ -204,7 +200,7 @@ class AsyncEngine:
 
     def release_session(self, session_id: str) -> None:
         """Free a session's pinned blocks before the next step. Thread-safe."""
-        self._inbox.put(("release", session_id))
+        self._inbox.put(_Release(session_id))
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -268,19 +264,19 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                assert isinstance(payload, Request)
-                try:
-                    self.engine.add(payload)
-                except BadParameter as exc:
-                    self._deliver_error(payload.request_id, exc)
-            elif kind == "abort":
-                self.engine.abort(str(payload))
-            elif kind == "release":
-                self.engine.release_session(str(payload))
+            match message:
+                case _Add(request):
+                    try:
+                        self.engine.add(request)
+                    except BadParameter as exc:
+                        self._deliver_error(request.request_id, exc)
+                case _Abort(request_id):
+                    self.engine.abort(request_id)
+                case _Release(session_id):
+                    self.engine.release_session(session_id)
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         for request_id in list(self.engine.requests):

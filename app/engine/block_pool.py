@@ -119,6 +119,14 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def cached_hashes(self, limit: int) -> list[bytes]:
+        """The hashes of at most `limit` findable blocks, the most recently cached last
+        (what a replica publishes to a prefix-aware router). Safe to call from another
+        thread: the list is taken in one step under the GIL (bytes keys run no Python
+        code while hashing)."""
+        hashes = list(self._cached)
+        return hashes[-limit:] if limit < len(hashes) else hashes
+
     def reset_prefix_cache(self) -> None:
         """Forget every hash (new weights, or a benchmark that must compute every
         prompt): cached content is no longer findable."""

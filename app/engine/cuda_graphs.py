@@ -10,7 +10,7 @@ their logits are dropped. Attention inside a graph must not depend on the step's
 widths: it goes through FlexDecode, whose buffers are full-size and written in place.
 Sampling stays outside the graph (it depends on each request's parameters).
 
-Not measured: no GPU was at hand when this was written (README, "On a GPU"). The pure
+Not measured: no GPU was at hand when this was written (docs/gpu.md). The pure
 parts (bucket choice, padding) are tested on the CPU.
 """
 
@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.model.attention import AttentionMetadata
-from app.model.flex_decode import FlexDecode
+from app.model.attention_backends import FlexBackend
 from app.model.llama import LlamaModel
 
 
@@ -73,11 +72,12 @@ class DecodeGraphs:
         self,
         model: LlamaModel,
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
-        flex: FlexDecode,
+        attention: FlexBackend,
         max_num_seqs: int,
         device: torch.device,
     ) -> None:
-        self.model, self.kv_layers, self.flex = model, kv_layers, flex
+        self.model, self.kv_layers = model, kv_layers
+        self.attention, self.flex = attention, attention.flex
         self.buckets = decode_buckets(max_num_seqs)
         top = self.buckets[-1]
         i64 = dict(dtype=torch.int64, device=device)
@@ -115,9 +115,7 @@ class DecodeGraphs:
         # Capture over padding rows (they touch only the null block's slot 0); run() loads
         # the real rows afterwards.
         self._load(pad_decode_batch(DecodeBatch([], [], [], [], []), size))
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], num_decodes=size, decode_flex=self.flex.step(size)
-        )
+        meta = self.attention.graph_metadata(self.slots[:size], size)
         args = (self.input_ids[:size], self.positions[:size], self.kv_layers, meta)
         side = torch.cuda.Stream()  # warm-up off the default stream, as PyTorch advises
         side.wait_stream(torch.cuda.current_stream())

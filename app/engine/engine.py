@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous core. add_request / abort / step.
 
-    step():  schedule -> run the model -> update counters -> stop checks -> outputs
+    step():  schedule -> run the model -> update counters and token-level stops (the
+             scheduler) -> text, stop strings and outputs (the output stage)
 
 Everything here runs on one thread; AsyncEngine drives it from a background thread and
 LLM (offline) from a plain loop.
@@ -11,13 +12,13 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Sequence
 
 import torch
 
 from app.config import EngineConfig
 from app.engine.admission import RequestMaker
 from app.engine.block_pool import BlockPool
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter
 from app.engine.kv_cache import KVCache
 from app.engine.kv_manager import KVCacheManager
@@ -32,9 +33,9 @@ from app.engine.outputs import (
     ModelInfo,
     RequestOutput,
 )
-from app.engine.request import FinishReason, Request, SamplingParams
+from app.engine.request import FinishReason, Request
 from app.engine.sampler import Sampler
-from app.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from app.engine.scheduler import Accepted, ScheduledRequest, Scheduler, SchedulerOutput
 from app.engine.structured import GrammarCompiler
 from app.engine.threads import ThreadPolicy, read_ceiling
 from app.model.build import build_model
@@ -89,13 +90,22 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             self.offload,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            max_model_len=self.max_model_len,
+            vocab_size=loaded.arch.vocab_size,
+        )
+        arch = loaded.arch
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
             Sampler(),
             max_num_seqs=config.scheduler.max_num_seqs,
             cuda_graphs=config.cuda_graphs,
+            attention=self.model.ops.attention(
+                config.cache.block_size, arch.num_heads // arch.num_kv_heads, dtype
+            ),
         )
         self.grammars = GrammarCompiler(self.tokenizer, loaded.arch.vocab_size, self.eos_token_ids)
         self.maker = RequestMaker(
@@ -145,20 +155,11 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def make_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        session_id: str | None = None,
-        use_prefix_cache: bool = True,
-        cache_salt: str | None = None,
-    ) -> Request:
+    def make_request(self, asked: EngineRequest) -> Request:
         """Validate and tokenize (app.engine.admission); touches no engine state, so any
         thread may call it. Raises BadParameter (ContextTooLong for a prompt that does
         not fit) with a message fit for the user."""
-        return self.maker.make(prompt, params, request_id, session_id, use_prefix_cache,
-                               cache_salt)  # fmt: skip
+        return self.maker.make(asked)
 
     def add(self, request: Request) -> None:
         """Queue a request made by make_request (and its choices)."""
@@ -170,17 +171,11 @@ class LLMEngine:
             self.requests[r.request_id] = r
         self.scheduler.add(request)
 
-    def add_request(
-        self,
-        request_id: str | None,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        session_id: str | None = None,
-    ) -> Request:
-        """Queue a generation. Returns the request (its id is generated when None)."""
-        if request_id is not None and request_id in self._groups:
-            raise BadParameter(f"request id {request_id!r} is already in use", "id")
-        req = self.make_request(prompt, params, request_id, session_id)
+    def add_request(self, asked: EngineRequest) -> Request:
+        """Queue a generation: make_request, then add. Returns the engine's request."""
+        if asked.request_id in self._groups:
+            raise BadParameter(f"request id {asked.request_id!r} is already in use", "id")
+        req = self.make_request(asked)
         self.add(req)
         return req
 
@@ -313,7 +308,8 @@ class LLMEngine:
                 if token is None or req.is_finished:
                     continue  # a prefill chunk short of the prompt's end, or a failure
                 try:
-                    out = self._accept_token(req, token, now, ran.logprobs.get(req.request_id))
+                    accepted = self.scheduler.accept(req, token)  # token-level stops
+                    out = self._output_stage(req, accepted, now, ran.logprobs.get(req.request_id))
                     if out is not None:
                         outputs.append(out)
                 except Exception:  # e.g. the detokenizer: this one fails, the others go on
@@ -326,17 +322,16 @@ class LLMEngine:
         self._finished(req)
         return self._output(req, "", [])
 
-    def _accept_token(
-        self, req: Request, token: int, now: float, logprob: Logprob | None = None
+    def _output_stage(
+        self, req: Request, accepted: Accepted, now: float, logprob: Logprob | None = None
     ) -> RequestOutput | None:
-        """Append a sampled token, run the stop checks; the request's output. A token
-        being replayed (params.replay_ids) replaces the sampled one and goes out with no
-        output, unless the request ends on it."""
-        replaying = req.num_output_tokens < len(req.params.replay_ids)
-        if replaying:
-            token = req.params.replay_ids[req.num_output_tokens]
-        req.append_output_token(token)
-        if not replaying:
+        """What follows the scheduler's token-level checks: the token's logprob, timings
+        and listeners, then its text (detokenized, held back or stopped by a stop string,
+        flushed at the end); finishes the request when a stop was hit. A replayed token
+        goes out with no output (the caller has it and its text), unless the request
+        ends on it."""
+        token, reason = accepted.token, accepted.reason
+        if not accepted.replayed:
             if logprob is not None:
                 req.logprobs.append(logprob)
             gap = None if req.timings.last_token is None else now - req.timings.last_token
@@ -349,29 +344,17 @@ class LLMEngine:
                 listener.on_tokens(req.request_id, 1, gap)
         detok = req.detokenizer
         assert detok is not None
-        reason = None
         text = ""
-        if token in req.stop_token_ids:
-            reason = FinishReason.STOP  # the stop token's text is never shown
-        else:
+        if token not in req.stop_token_ids:  # a stop token's text is never shown
             text = detok.add_tokens([token])
             if detok.stopped:
-                reason = FinishReason.STOP
-        if req.grammar is not None and reason is None:
-            if not req.grammar.accept(token):
-                raise RuntimeError(f"token {token} broke the response_format grammar")
-            if req.grammar.must_end(self.arch.vocab_size):
-                reason = FinishReason.STOP  # the value is complete: only a stop could follow
-        if reason is None and (
-            req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
-        ):
-            reason = FinishReason.LENGTH
+                reason = FinishReason.STOP  # a stop string, before any length limit
         if reason is not None and not detok.stopped:
             text += detok.flush()
         if reason is not None:
             self.scheduler.finish(req, reason)
             self._finished(req)
-        if replaying:  # the caller has this token and its text
+        if accepted.replayed:
             return None if reason is None else self._output(req, "", [])
         return self._output(req, text, [token])
 

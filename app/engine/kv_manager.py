@@ -1,4 +1,4 @@
-"""Block tables of requests, and the two ways a request finds its prefix already computed.
+"""Block tables of requests, and the three ways a request finds its prefix already computed.
 
 1. The prefix cache. A full block is named by a hash chained from its parent's hash and
    its own token ids, so equal hashes mean equal prefixes, not just equal blocks.

@@ -20,7 +20,8 @@ from app.engine.request import Request
 from app.engine.sampler import Sampler
 from app.engine.scheduler import SchedulerOutput
 from app.engine.structured import token_masks
-from app.model.attention import AttentionMetadata, PrefillChunk, additive_mask, prefix_mask
+from app.model.attention import AttentionMetadata, PrefillChunk
+from app.model.attention_backends import AttentionBackend, FlexBackend, SdpaBackend
 from app.model.flex_decode import FlexDecode
 from app.model.llama import LlamaModel
 
@@ -65,11 +66,13 @@ class ModelInput:
 class ModelRunner:
     """Runs the model on a scheduler's decision and samples next tokens.
 
-    The device is the KV cache's, read once here. On the CPU a step is built and run as
-    it always was. On CUDA the step's index tensors go through pinned host memory,
-    decodes attend through FlexAttention over the cache in place (when it compiles here),
-    and decode-only steps replay CUDA graphs (`cuda_graphs`). Either way the one host sync
-    of a step is reading the sampled tokens back (and logprobs, for requests that ask).
+    The device is the KV cache's, read once here. The attention backend
+    (app.model.attention_backends) builds each step's attention metadata: the one the
+    model's layer ops name (`attention`, chosen once when the model was built), or on CUDA
+    FlexAttention over the cache in place (when it compiles here), whose decode-only steps
+    replay CUDA graphs (`cuda_graphs`). On CUDA the step's index tensors go through pinned
+    host memory. Either way the one host sync of a step is reading the sampled tokens back
+    (and logprobs, for requests that ask).
     """
 
     def __init__(
@@ -80,34 +83,30 @@ class ModelRunner:
         *,
         max_num_seqs: int = 64,
         cuda_graphs: bool = False,
+        attention: AttentionBackend | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.block_size = kv_cache.block_size
-        self.query_groups = kv_cache.arch.num_heads // kv_cache.arch.num_kv_heads
         self.device = kv_cache.tensor.device
         self.pin = self.device.type == "cuda"  # host -> device copies from pinned memory
-        self.flex: FlexDecode | None = None
         self.graphs: DecodeGraphs | None = None
-        self.max_flex_rows = max_num_seqs
-        # Parley's CPU kernels (app/model/kernels): decodes attend over the cache in place,
-        # and prompts too where the ops say so
-        ops = getattr(model, "ops", None)
-        self.fused = bool(getattr(ops, "fused", False))
-        self.prefill_in_place = bool(getattr(ops, "prefill_in_place", False))
+        groups = kv_cache.arch.num_heads // kv_cache.arch.num_kv_heads
+        dtype = kv_cache.tensor.dtype
+        self.attention = attention or SdpaBackend(self.block_size, groups, dtype)
         if self.device.type == "cuda":
-            self.flex = _flex_decode(kv_cache, max_num_seqs, self.device)
-        if self.flex is not None and cuda_graphs:
-            self.graphs = DecodeGraphs(model, kv_cache.layers, self.flex, max_num_seqs, self.device)
+            flex = _flex_decode(kv_cache, max_num_seqs, self.device)
+            if flex is not None:
+                self.attention = FlexBackend(self.block_size, groups, dtype, flex, max_num_seqs)
+        if isinstance(self.attention, FlexBackend) and cuda_graphs:
+            self.graphs = DecodeGraphs(
+                model, kv_cache.layers, self.attention, max_num_seqs, self.device
+            )
         log.info(
             "model runner on %s: decode attention %s, CUDA graphs %s",
             self.device,
-            "FlexAttention over the cache"
-            if self.flex
-            else "Parley's CPU kernel over the cache"
-            if self.fused
-            else "gathered blocks + SDPA",
+            self.attention.name,
             f"for batch sizes {self.graphs.buckets}" if self.graphs else "off",
         )
 
@@ -173,31 +172,14 @@ class ModelRunner:
             ids.append(s.request.all_token_ids[pos])
             positions.append(pos)
             slots.append(s.block_ids[pos // bs] * bs + pos % bs)
-        meta = AttentionMetadata(
-            slot_mapping=torch.empty(0),
-            num_decodes=len(decodes),
-            prefill_in_place=self.prefill_in_place,
-        )
+        meta = self.attention.metadata(len(decodes))
         if decodes:
             context = [s.start + 1 for s in decodes]
             width = -(-max(context) // bs)
             tables = [
                 s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in decodes
             ]
-            if self.flex is not None and len(decodes) <= self.max_flex_rows:
-                self.flex.write(
-                    self._upload(tables, torch.int32), self._upload(context, torch.int32)
-                )
-                meta.decode_flex = self.flex.step(len(decodes))
-            else:  # the CPU path
-                meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64)
-                lens = torch.tensor(context, dtype=torch.int64)
-                if self.fused:  # Parley's CPU kernel reads the blocks in place
-                    meta.decode_lens = lens
-                else:  # gathered blocks + SDPA, through a mask built once, not per layer
-                    keep = torch.arange(width * bs)[None, :] < lens[:, None]  # (B, L)
-                    mask = additive_mask(keep, self.kv_cache.tensor.dtype)
-                    meta.decode_mask = mask[:, None, None, :]
+            self.attention.add_decodes(meta, tables, context)
             logits_indices.extend(range(len(decodes)))
             sampling.extend(s.request for s in decodes)
             sample_rows.extend(range(len(decodes)))
@@ -210,15 +192,8 @@ class ModelRunner:
             positions.extend(pos)
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            context = start + n
-            chunk = PrefillChunk(first, n, context, None, None)
-            # Through the block table: always for Parley's CPU kernel (over the cache in
-            # place), else when the chunk continues a cached prefix (SDPA over a gather).
-            if self.prefill_in_place or start > 0:
-                chunk.block_table = torch.tensor(table[: -(-context // bs)], dtype=torch.int64)
-            if start > 0 and not self.prefill_in_place:
-                chunk.mask = prefix_mask(start, n, self.query_groups, self.kv_cache.tensor.dtype)
-            meta.prefills.append(chunk)
+            chunk = PrefillChunk(first, n, start + n, None, None)
+            self.attention.add_prefill(meta, chunk, table)
             req = s.request
             if req.params.prompt_logprobs is not None:
                 # Position p's logits score token p + 1; score each prompt token once,

@@ -10,11 +10,8 @@ to first token as good as one forward).
 
 The default target is AUTO_TARGET_FACTOR times the measured decode-only step: a step whose
 decodes are a tenth of it, so that prompts computed beside decodes run at ~90% of their
-rate alone. A queue drains at the rate prompts are computed, and with the old default
-(1.5x, chunks of a few tokens beside every decode step, each paying the step's fixed
-cost) prompts went at about half their rate under load: time to first token p99 grew
-with the queue, and every step overran the target anyway (inter-token p99 10-12x it).
-The target is a promise to those decoding: a deep queue does not stretch it.
+rate alone (a queue drains at the rate prompts are computed). The target is a promise to
+those decoding: a deep queue does not stretch it.
 
 The cost model is unbiased but not exact: a step it predicts at the target runs over it
 about half the time, and by up to ~30% (its error is ~7% on average here). So chunks are
@@ -34,12 +31,9 @@ preempted request goes first (it has made progress to lose).
 The bound: a request is passed only by requests that arrived before it or within
 SLACK_MULTIPLE x its own prefill time after it; so (on one machine that never idles with
 work queued) it waits at most what first come, first served would make it wait plus the
-work of that window's arrivals. A deadline, unlike "urgent after a wait", never turns a
-paste into a wall: before, a request became urgent after 0.5x its prefill + 0.5 s, urgent
-ones went first in arrival order, and prompts already under way came before every
-admission; under load a paste was always urgent or under way, and a short question waited
-behind it for up to its whole prefill (the median first token at 0.9x load was 3x
-static's, which gives every prompt under way its own chunk).
+work of that window's arrivals. A deadline never turns a paste into a wall in front of
+the questions behind it. (The designs this replaced, and what they measured:
+bench/README.md, "Adaptive batching".)
 """
 
 from __future__ import annotations

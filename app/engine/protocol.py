@@ -7,11 +7,11 @@ never probes for a method. Every call the server makes is listed here.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Protocol
 
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import EngineListener, EngineStats, ModelInfo, RequestOutput
-from app.engine.request import SamplingParams
 
 
 class EngineClient(Protocol):
@@ -34,26 +34,14 @@ class EngineClient(Protocol):
         """Whether requests can be served now (the loop, or enough replicas, alive)."""
         ...
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str,
-        session_id: str | None = None,
-        use_prefix_cache: bool = True,
-        cache_salt: str | None = None,
-        routing_key: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, asked: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; leaving early aborts it. With
         params.n > 1 the outputs of its n choices interleave, told apart by their `index`,
         and the stream ends when every choice has finished.
 
         Raises BadParameter / ContextTooLong (before anything is queued), Overloaded
-        when the queue is full, EngineDead when nothing can serve it. A `session_id` keeps
-        the request's K/V pinned for the session's next turn; `cache_salt` keeps its
-        prefix-cache entries apart from other salts' (one tenant cannot find another's).
-        `routing_key` tells an engine of several replicas which requests belong together
-        (an API client's `user`): they go where their K/V is. One engine ignores it.
+        when the queue is full, EngineDead when nothing can serve it. What each of the
+        request's fields asks for: EngineRequest.
         """
         ...
 

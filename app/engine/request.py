@@ -11,13 +11,13 @@ from __future__ import annotations
 import enum
 import secrets
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from app.engine.errors import BadParameter
+from app.engine.structured import ResponseFormat
 
 if TYPE_CHECKING:
     from app.engine.detokenizer import IncrementalDetokenizer
@@ -28,32 +28,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_N = 128  # OpenAI's limit; the engine also keeps n within max_num_seqs
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
-
-
-@dataclass(frozen=True)
-class ResponseFormat:
-    """A constraint on the reply's text, applied as a token mask while sampling
-    (app.engine.structured): "json_object" (any JSON object) or "json_schema" (`schema`, a
-    JSON Schema as JSON text, followed strictly)."""
-
-    kind: str
-    schema: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("json_object", "json_schema"):
-            raise BadParameter(
-                f"response_format type must be json_object or json_schema, not {self.kind!r}",
-                "response_format",
-            )
-        if (self.kind == "json_schema") != (self.schema is not None):
-            raise BadParameter("a json_schema response_format needs its schema", "response_format")
-
-
-# Callers that take up a cut request (a turn after a restart, a reply after its replica
-# died) replay up to this many output tokens, one decode step each (~10 ms for one request
-# on 2 cores, so ~5 s at most); past it they recompute them in one prefill, which is
-# cheaper but parts from the uninterrupted reply where bf16 rounds differently.
-REPLAY_MAX_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -93,16 +67,6 @@ class SamplingParams:
     response_format: ResponseFormat | None = None
     # Added to the logits of these token ids before sampling: ((token_id, bias), ...).
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # Draws of the seed's random stream already spent: a request that continues another's
-    # output (a turn resumed after a restart) samples on from where that one stopped.
-    seed_offset: int = 0
-    # Output tokens this request re-derives before it generates (a turn resumed after a
-    # restart or a lost replica): each is fed back by a decode step of its own, as it was
-    # first decoded, so that the K/V and the seed's random stream end where an
-    # uninterrupted run's did (README, "Determinism", says how closely in bf16). The
-    # sampler still draws for them, its pick is replaced, and they produce no output: the
-    # caller has them. Part of max_tokens.
-    replay_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a single stop string, store tuples (hashable, immutable).
@@ -110,7 +74,6 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "replay_ids", tuple(self.replay_ids))
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = bias.items()
@@ -178,25 +141,6 @@ class SamplingParams:
                 "seed",
                 f"must be in [0, 2**63), got {self.seed}",
             )
-        offset = integer("seed_offset", self.seed_offset)
-        check(offset >= 0, "seed_offset", f"must be >= 0, got {offset}")
-        if self.replay_ids:
-            check(
-                all(integer("replay_ids", t) >= 0 for t in self.replay_ids),
-                "replay_ids",
-                "must be token ids >= 0",
-            )
-            check(self.n == 1, "replay_ids", "need n = 1")
-            check(
-                self.logprobs is None and self.prompt_logprobs is None,
-                "replay_ids",
-                "cannot be combined with logprobs",
-            )
-            check(
-                self.max_tokens is None or len(self.replay_ids) < self.max_tokens,
-                "replay_ids",
-                f"must be fewer than max_tokens ({self.max_tokens})",
-            )
         check(
             len(self.stop) <= MAX_STOP_STRINGS,
             "stop",
@@ -221,24 +165,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    def can_replay(self, num_tokens: int) -> bool:
-        """Whether a request taking this one up after `num_tokens` output tokens replays
-        them (`replaying`) rather than carrying them in its prompt (`after`)."""
-        no_logprobs = self.logprobs is None and self.prompt_logprobs is None
-        return self.n == 1 and no_logprobs and num_tokens <= REPLAY_MAX_TOKENS
-
-    def replaying(self, token_ids: Sequence[int]) -> SamplingParams:
-        """These parameters for a request that takes this one up by replaying its output
-        `token_ids`: its prompt stays this one's."""
-        return replace(self, replay_ids=tuple(token_ids))
-
-    def after(self, num_tokens: int) -> SamplingParams:
-        """These parameters for a request whose prompt carries `num_tokens` of this one's
-        output: max_tokens shrinks by them and the seed's random stream moves on past them.
-        Raises BadParameter when that leaves nothing to generate."""
-        left = None if self.max_tokens is None else self.max_tokens - num_tokens
-        return replace(self, max_tokens=left, seed_offset=self.seed_offset + num_tokens)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of n: its own seed (seed + index). The prompt's
@@ -313,6 +239,8 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens resolved against the context
+        # Taking up another request's output (EngineRequest.replay_ids): fed back first.
+        self.replay_ids: tuple[int, ...] = ()
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
@@ -329,10 +257,6 @@ class Request:
         self.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else secrets.randbits(63)
         )
-        if params.seed is not None and params.seed_offset:
-            # The sampler draws one number per sampled token (app.engine.sampler), and n
-            # numbers drawn at once advance the generator exactly as n single draws do.
-            torch.rand(params.seed_offset, generator=self.generator)
         self.detokenizer: IncrementalDetokenizer | None = None
         # Choices of one prompt (params.n > 1): outputs and aborts go by the group id (the
         # caller's id); choice 0 carries the others in `forks` until its prompt is computed,

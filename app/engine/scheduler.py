@@ -38,6 +38,15 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """A token appended to a request, and the token-level stop it hit (or None)."""
+
+    token: int
+    replayed: bool  # the caller has it already: no output for it
+    reason: FinishReason | None
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """A request and the tokens it computes this step: counts taken when the step was
     scheduled, so they stay true after update() has moved the request on."""
@@ -91,10 +100,18 @@ class Scheduler:
     """Decides, each step, which requests compute how many tokens."""
 
     def __init__(
-        self, cfg: SchedulerConfig, kv: KVCacheManager, policy: BatchPolicy | None = None
+        self,
+        cfg: SchedulerConfig,
+        kv: KVCacheManager,
+        policy: BatchPolicy | None = None,
+        *,
+        max_model_len: int | None = None,
+        vocab_size: int = 0,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.max_model_len = max_model_len  # None: only max_tokens bounds a request
+        self.vocab_size = vocab_size  # what a grammar's end is checked against
         self.policy = policy or make_policy(cfg)
         self.last_step = StepReport()
         self.waiting: deque[Request] = deque()
@@ -261,6 +278,32 @@ class Scheduler:
             self.kv.cache_full_blocks(s.request)
             if s.forks:
                 self._fork(s.request, s.forks)
+
+    def accept(self, req: Request, token: int) -> Accepted:
+        """Append a request's sampled token (a replayed one in its place: the request takes
+        up another's output, EngineRequest.replay_ids) and check the token-level stops. The
+        request is not finished here: its text may stop it yet (the engine's output stage),
+        which then calls finish()."""
+        replayed = req.num_output_tokens < len(req.replay_ids)
+        if replayed:
+            token = req.replay_ids[req.num_output_tokens]
+        req.append_output_token(token)
+        return Accepted(token, replayed, self.check_stop(req, token))
+
+    def check_stop(self, req: Request, token: int) -> FinishReason | None:
+        """After `token` was appended: a stop token, the response_format's value complete
+        (only a stop could follow), or the length limit; None: it goes on."""
+        if token in req.stop_token_ids:
+            return FinishReason.STOP  # its text is never shown
+        if req.grammar is not None:
+            if not req.grammar.accept(token):
+                raise RuntimeError(f"token {token} broke the response_format grammar")
+            if req.grammar.must_end(self.vocab_size):
+                return FinishReason.STOP
+        limit = self.max_model_len
+        if req.num_output_tokens >= req.max_tokens or (limit and req.num_tokens >= limit):
+            return FinishReason.LENGTH
+        return None
 
     def _fork(self, parent: Request, forks: tuple[Request, ...]) -> None:
         """The parent's prompt is computed: its other choices take its blocks by

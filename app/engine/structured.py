@@ -39,7 +39,26 @@ from typing import Any
 import torch
 
 from app.engine.errors import BadParameter
-from app.engine.request import ResponseFormat
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A constraint on the reply's text, applied as a token mask while sampling
+    (app.engine.structured): "json_object" (any JSON object) or "json_schema" (`schema`, a
+    JSON Schema as JSON text, followed strictly)."""
+
+    kind: str
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema"):
+            raise BadParameter(
+                f"response_format type must be json_object or json_schema, not {self.kind!r}",
+                "response_format",
+            )
+        if (self.kind == "json_schema") != (self.schema is not None):
+            raise BadParameter("a json_schema response_format needs its schema", "response_format")
+
 
 SEPARATORS = (", ", ": ")
 _OBJECT_SCHEMA = '{"type": "object"}'

@@ -1,5 +1,5 @@
-"""TierConfig -> a backend. Backends are imported only when chosen (redis-py is an
-optional dependency: `pip install 'parley[redis]'`)."""
+"""TierConfig -> a backend. Backends are imported only when chosen: a server without a
+Redis tier never loads redis-py (a dependency of Parley's, also used by the journal)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def open_tier(config: TierConfig, namespace: str) -> Tier:
             from app.kvtier.redis import RedisTier
         except ImportError as exc:
             raise RuntimeError(
-                "--kv-tier redis://... needs the redis client: pip install 'parley[redis]'"
+                "--kv-tier redis://... needs the redis client, a dependency of Parley's: "
+                "pip install 'redis>=5'"
             ) from exc
         return RedisTier(config.location, namespace, config.ttl_s, config.timeout_s)
     raise ValueError(f"no tier for kind {config.kind!r}")

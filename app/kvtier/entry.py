@@ -8,7 +8,7 @@ A reader checks all of it before a byte reaches the cache: another model's entry
 under the wrong key, a short one or a flipped bit each raise BadEntry with a reason, and
 the caller recomputes. CRC-32 catches accidents (4 GB/s here, against blake2b's 0.8), not
 an attacker: whoever can write to the tier can change replies, so it is secured like the
-conversations' text (see README).
+conversations' text (see docs/kv_tier.md).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ the prefill chunks, each a contiguous run of tokens of one sequence. Every layer
    whole prompt computed without the cache (and so does any prompt of at most
    PAD_MAX_CONTEXT tokens). Otherwise (a follow-up after a long history)
    the chunk's rows attend through a bottom-right-aligned causal mask, with the G query
-   heads of each K/V head folded into one run of G x n rows as decodes do: 3 work items
-   of 3n rows instead of 9 of n, ~20% faster for a short follow-up (a long chunk, whose
-   folded mask would be large, keeps its heads as they are). Either way the rows
-   round as in the whole prompt's pass, except for chunks of a row or few, for which the
-   flash kernel takes another path (tests/model/test_attention.py).
+   heads of each K/V head folded into one run of G x n rows as decodes do: fewer, larger
+   work items (a long chunk, whose folded mask would be large, keeps its heads as they
+   are). Either way the rows round as in the whole prompt's pass, except for chunks of a
+   row or few, for which the flash kernel takes another path
+   (tests/model/test_attention.py).
 
 Where Parley's CPU kernels are loaded (the default for int4 weights on the CPU), steps 2
 and 3 run in C++ over the cache in place instead: decodes through paged_decode, each
@@ -32,13 +32,12 @@ the prefix cache, nor on whether the token was decoded or came in a prompt. Thro
 PyTorch's SDPA above, a chunk of a few rows rounds apart from the whole prompt's pass,
 and a decode apart from both.
 
-The masks and index tensors are built once per step (AttentionMetadata) and shared by all
-layers, so the Python work per layer does not grow with the number of decoding sequences.
-Measured on 2 CPU cores: one gather + SDPA beats per-sequence calls 2-4x at 8-32
-sequences; the gather is an index_select over whole blocks; what remains is bound by
-reading K/V (at 32 sequences of ~150 tokens, attention is ~20% of a decode step).
-On CUDA, decodes attend through FlexAttention over the cache in place instead
-(flex_decode.py, AttentionMetadata.decode_flex); the CPU never takes that branch.
+The masks and index tensors are built once per step (AttentionMetadata, by the step's
+attention backend: attention_backends.py) and shared by all layers, so the Python work
+per layer does not grow with the number of decoding sequences; the gather is an
+index_select over whole blocks. On CUDA, decodes attend through FlexAttention over the
+cache in place instead (flex_decode.py, AttentionMetadata.decode_flex); the CPU never
+takes that branch. What these choices measured: bench/README.md, "Attention paths".
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from app.model.families import model_class
 from app.model.llama import FusedCpuOps, LlamaModel
 from app.model.loader import LoadedModel, read_tensors, write_cache_dir
 from app.model.quant.int4 import (
+    decode_layers_weights,
     int4_available,
     int4_from_state_dict,
     int4_linears,
@@ -256,7 +257,7 @@ def _use_cpu_kernels(model: LlamaModel, cfg: ModelConfig, fmt: WeightFormat) -> 
     why = _cpu_kernels(cfg, fmt)  # loaded once a process: a second ask is a lookup
     if why is None:
         in_place = prompt_attention_in_place()
-        model.use_ops(FusedCpuOps(prefill_in_place=in_place))
+        model.use_ops(FusedCpuOps(in_place, decode_layers_weights))
         log.info(
             "layer ops: Parley's CPU kernels (norms, rotary + K/V write, decode attention%s)",
             ", prompt attention" if in_place else "; prompt attention: PyTorch's, without AVX-512",

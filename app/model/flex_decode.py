@@ -14,7 +14,7 @@ mask function alone, so both are exact.
 
 Buffers are allocated once at their largest ([max_seqs, num_blocks]) and written in place
 each step: CUDA graphs replay them by address (app.engine.cuda_graphs).
-Not measured: no GPU was at hand when this was written (README, "On a GPU").
+Not measured: no GPU was at hand when this was written (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ matmuls read them faster and cost fewer Python calls.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from torch import nn
 
 from app.model.arch import ArchConfig
 from app.model.attention import AttentionMetadata, PrefillChunk, attend, store_kv
+from app.model.attention_backends import AttentionBackend, CpuKernelBackend, SdpaBackend
 from app.model.packed_linear import pack_linears, pack_weight, packable, packing_available
 
 
@@ -106,6 +108,10 @@ class TorchOps:
     fused = False
     prefill_in_place = False  # prompts attend through PyTorch's SDPA (attention.py)
 
+    def attention(self, block_size: int, query_groups: int, dtype: torch.dtype) -> AttentionBackend:
+        """The attention path these ops run on, which builds each step's metadata."""
+        return SdpaBackend(block_size, query_groups, dtype)
+
     def rope(self, rotary: Rotary, positions: torch.Tensor) -> object:
         return rotary.at(positions)
 
@@ -149,9 +155,19 @@ class FusedCpuOps(TorchOps):
 
     fused = True
 
-    def __init__(self, prefill_in_place: bool = True) -> None:
+    def __init__(
+        self,
+        prefill_in_place: bool = True,
+        layer_weights: Callable[[LlamaModel], list[torch.Tensor]] | None = None,
+    ) -> None:
         self.prefill_in_place = prefill_in_place
+        # What decode_layers reads of the model (quant/int4.py: decode_layers_weights), or
+        # None: these weights have no one-call stack, layers go one by one.
+        self._layer_weights = layer_weights
         self._weights: list[torch.Tensor] | None = None  # decode_layers' flat list, once
+
+    def attention(self, block_size: int, query_groups: int, dtype: torch.dtype) -> AttentionBackend:
+        return CpuKernelBackend(block_size, query_groups, dtype, self.prefill_in_place)
 
     def rope(self, rotary: Rotary, positions: torch.Tensor) -> object:
         return rotary.cos, rotary.sin, positions
@@ -167,7 +183,7 @@ class FusedCpuOps(TorchOps):
         if not model.stackable:  # a family's own layers (app/model/families)
             return None
         if self._weights is None:
-            self._weights = _int4_stack(model)
+            self._weights = self._layer_weights(model) if self._layer_weights else []
         if not self._weights:
             return None
         cos, sin, positions = rope  # type: ignore[misc]
@@ -196,22 +212,6 @@ class FusedCpuOps(TorchOps):
             qkv, cos, sin, positions, meta.slot_mapping, kv[0], kv[1],
             arch.num_heads, arch.num_kv_heads,
         )  # fmt: skip
-
-
-def _int4_stack(model: LlamaModel) -> list[torch.Tensor]:
-    """Every layer's int4 (codes, d, m) on Parley's q4_matmul for qkv, o_proj, gate_up and
-    down, then its two norms' weights; empty unless every linear is such, without a bias."""
-    from app.model.quant.int4 import LINEARS, Int4Linear
-
-    out: list[torch.Tensor] = []
-    for layer in model.layers:
-        for name in LINEARS:  # qkv, o_proj, gate_up, down: the order decode_layers reads
-            lin = getattr(layer, name)
-            if not isinstance(lin, Int4Linear) or lin.kernel != "parley" or lin.bias is not None:
-                return []
-            out += [lin.codes, lin.d, lin.m]
-        out += [layer.input_norm.weight, layer.post_norm.weight]
-    return out
 
 
 class DecoderLayer(nn.Module):
@@ -353,12 +353,11 @@ class LlamaModel(nn.Module):
             for _ in range(arch.num_layers)
         ]
         positions = torch.arange(n, device=device)
-        meta = AttentionMetadata(
-            slot_mapping=positions + block, prefills=[PrefillChunk(0, n, n, None, None)]
-        )
-        if self.ops.prefill_in_place:  # the engine's path: Parley's kernel over the blocks
-            meta.prefills[0].block_table = torch.arange(1, shape[0])
-            meta.prefill_in_place = True
+        # The engine's path, as its attention backend builds it: block 0 stays unused.
+        backend = self.ops.attention(block, arch.num_heads // arch.num_kv_heads, dtype)
+        meta = backend.metadata(num_decodes=0)
+        meta.slot_mapping = positions + block
+        backend.add_prefill(meta, PrefillChunk(0, n, n, None, None), list(range(1, shape[0])))
         logits_at = positions if logits_at is None else logits_at.to(device)
         return self(torch.tensor(ids, device=device), positions, caches, meta, logits_at)
 

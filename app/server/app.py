@@ -25,7 +25,7 @@ from starlette.templating import Jinja2Templates
 
 from app.config import ClusterConfig, EngineConfig
 from app.engine.protocol import EngineClient
-from app.server import markdown, openai_api
+from app.server import markdown, messages, openai_api, responses, tokenizer_api
 from app.server.chat_service import ChatConfig, ChatService
 from app.server.errors import APIError
 from app.server.hosts import HostGuard, HostPolicy
@@ -245,6 +245,9 @@ def create_app(
                 "markdown": markdown.MarkdownRenderer(),
                 "metrics": metrics,
                 "openai": openai_api.OpenAIAPI(eng, chat.prompt, chat.cache_salt),
+                "responses": responses.ResponsesAPI(chat),
+                "messages": messages.MessagesAPI(chat),
+                "tokenizer_api": tokenizer_api.TokenizerAPI(chat),
                 "templates": templates,
                 "turns": runner,
             }
@@ -267,6 +270,9 @@ def create_app(
         Route("/ready", ready),
         Route("/metrics", metrics),
         *openai_api.routes(),
+        *responses.routes(),
+        *messages.routes(),
+        *tokenizer_api.routes(),
         *markdown.routes(),
         WebSocketRoute("/ws", ws_endpoint),
         Mount("/static", StaticFiles(directory=str(asset_dir("static"))), name="static"),

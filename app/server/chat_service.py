@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from app.chat.prompt import ChatPrompt, Message
 from app.chat.sessions import Conversation, ConversationStore
 from app.chat.window import HistoryTooLong, Window, fit, reply_room
+from app.config import INLINE_TEXT_CHARS
 from app.engine.errors import ContextTooLong
 from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
@@ -26,10 +27,9 @@ from app.server.shares import Share
 
 log = logging.getLogger("parley.chat")
 
-# Histories longer than this (in characters, or in messages: each costs the template its
-# own work) are rendered and tokenized on a worker thread, not on the event loop where
-# every other socket's tokens are sent.
-INLINE_RENDER_CHARS = 8192
+# Histories longer than INLINE_TEXT_CHARS, or than this many messages (each costs the
+# template its own work), are rendered and tokenized on a worker thread, not on the event
+# loop where every other socket's tokens are sent.
 INLINE_RENDER_MESSAGES = 64
 
 
@@ -37,7 +37,7 @@ def renders_inline(messages: list[Message]) -> bool:
     """Whether a history is small enough to render on the event loop."""
     if len(messages) > INLINE_RENDER_MESSAGES:
         return False
-    return sum(len(m.content) for m in messages) <= INLINE_RENDER_CHARS
+    return sum(len(m.content) for m in messages) <= INLINE_TEXT_CHARS
 
 
 @dataclass(frozen=True)

@@ -243,11 +243,13 @@ class _EngineCollector(Collector):
             yield threads
             routing = CounterMetricFamily(
                 P + "routing_decisions",
-                "Requests routed, by decision: affine (to its K/V's replica), rebalanced "
-                "(its replica was too busy or gone), balanced (no key: least loaded).",
+                "Requests routed, by decision: affine (a key's request to its K/V's "
+                "replica), rebalanced (its replica was too busy or gone), prefix (no key: to "
+                "the replica holding the longest cached prefix), balanced (no key and no "
+                "useful cached prefix: least loaded).",
                 labels=["decision"],
             )
-            for decision in ("affine", "rebalanced", "balanced"):
+            for decision in ("affine", "rebalanced", "prefix", "balanced"):
                 routing.add_metric([decision], s.routing.get(decision, 0))
             yield routing
         if s.tier is not None:

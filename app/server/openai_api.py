@@ -25,9 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.chat.formats import ChatFormat
 from app.chat.prompt import ChatPrompt
 from app.chat.tools import supports_tools
 from app.chat.window import HistoryTooLong, Window, fit, reply_room
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
 from app.engine.request import SamplingParams
@@ -59,6 +61,7 @@ class OpenAIAPI:
         self.cache_salt = cache_salt  # Principal -> salt or None (tenant isolation)
         self.tokenizer = engine.info.tokenizer
         self.template_has_tools = supports_tools(self.tokenizer)
+        self.format = ChatFormat.of(self.tokenizer)  # tool-call and reasoning formats
         self.texts = TokenTexts(self.tokenizer)
 
     async def models(self, request: Request) -> Response:
@@ -77,6 +80,11 @@ class OpenAIAPI:
         params = request_params(body, self.max_tokens_limit, chat=True, tools=tools)
         messages = chat_messages(body, self.template_has_tools)
         definitions = tools.tools if tools else None
+        effort = body.get("reasoning_effort")
+        try:
+            template_args = self.format.template_args(effort)
+        except ValueError as exc:
+            raise bad(str(exc), "reasoning_effort") from None
         truncation = body.get("truncation")
         if truncation not in (None, "disabled", "auto"):
             raise bad('truncation must be "disabled" (the default) or "auto"', "truncation")
@@ -85,11 +93,12 @@ class OpenAIAPI:
             # OpenAI's default: a history too long for the window is an error, which the
             # engine raises; "auto" drops the oldest turns after the system prompt.
             if truncation != "auto":
-                return Window(messages, self.prompt.render(messages, None, definitions), 0, None)
+                ids = self.prompt.render(messages, None, definitions, template_args=template_args)
+                return Window(messages, ids, 0, None)
             room = reply_room(params.max_tokens, window)
             try:
-                return fit(messages, lambda ms: self.prompt.render(ms, None, definitions),
-                           window, room, truncate=True)  # fmt: skip
+                return fit(messages, lambda ms: self.prompt.render(ms, None, definitions,
+                           template_args=template_args), window, room, truncate=True)  # fmt: skip
             except HistoryTooLong as exc:
                 raise APIError(400, str(exc), param="messages",
                                code="context_length_exceeded") from None  # fmt: skip
@@ -99,7 +108,8 @@ class OpenAIAPI:
             kept = await asyncio.to_thread(build)
         else:
             kept = build()
-        shape = Shape(chat=True, n=params.n, logprobs=params.logprobs is not None, tools=tools)
+        shape = Shape(chat=True, n=params.n, logprobs=params.logprobs is not None, tools=tools,
+                      format=self.format, thinking=effort not in ("none", "minimal"))  # fmt: skip
         response = await self._complete(request, body, kept.prompt_ids, params, shape)
         if kept.dropped:
             response.headers[TRUNCATED_HEADER] = str(kept.dropped)
@@ -163,13 +173,14 @@ class OpenAIAPI:
         for name in ("prompt_cache_key", "user"):
             if body.get(name) is not None and not isinstance(body[name], str):
                 raise bad(f"'{name}' must be a string", name)
-        outputs = self.engine.generate(
+        asked = EngineRequest(
             prompt,
             params,
             "api-" + uuid.uuid4().hex,
             cache_salt=self.cache_salt(request.user),
             routing_key=f"user:{hint}" if hint else None,  # several replicas: its K/V's home
         )
+        outputs = self.engine.generate(asked)
         chat = shape.chat
         meta = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,

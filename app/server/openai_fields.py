@@ -2,7 +2,7 @@
 ignored for a stated reason, or refused with a 400 naming it. Nothing is dropped silently:
 a field that is in neither table (a typo, a newer API's field) is refused too.
 
-README.md shows these tables (tests/server/test_openai_fields.py keeps them in step).
+docs/openai_api.md shows these tables (tests/server/test_openai_fields.py keeps them in step).
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ CHAT_FIELDS: dict[str, Field] = {
     "audio": _refused("no audio output"),
     "functions": _refused("deprecated: use tools"),
     "function_call": _refused("deprecated: use tool_choice"),
-    "reasoning_effort": _refused("not a reasoning model"),
+    "reasoning_effort": _honoured(
+        "where the chat template offers a control (enable_thinking or reasoning_effort), "
+        "refused otherwise; the think-tag text comes back as reasoning_content"
+    ),
     "verbosity": _refused("not supported"),
     "web_search_options": _refused("no web search"),
 }

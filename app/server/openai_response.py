@@ -12,7 +12,16 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from app.chat.tools import ToolCall, parse_forced_call, parse_tool_calls
+from app.chat.formats import (
+    CallArgs,
+    CallStart,
+    ChatFormat,
+    Parsed,
+    Reasoning,
+    ReplyStream,
+    Text,
+)
+from app.chat.tools import ToolCall
 from app.engine.logprobs import Logprob
 from app.engine.outputs import RequestOutput
 from app.engine.request import FinishReason
@@ -65,6 +74,16 @@ class Shape:
     echo: str | None = None  # completions: the prompt's text, to put first
     prompt_ids: list[int] = field(default_factory=list)  # with echo
     replicas: int = 1  # the one choice repeated (echo + max_tokens 0 with n > 1)
+    format: ChatFormat | None = None  # chat: how the model writes calls and reasoning
+    thinking: bool = True  # False: the request turned the model's reasoning off
+
+    def reply_stream(self) -> ReplyStream | None:
+        """A parser for one choice's reply, where it has calls or reasoning to find."""
+        fmt = self.format
+        if fmt is None or not self.chat or (self.tools is None and not fmt.reasoning):
+            return None
+        mode = self.tools.mode if self.tools else None
+        return fmt.stream(mode, self.tools.parallel if self.tools else True, self.thinking)
 
 
 @dataclass
@@ -75,6 +94,8 @@ class _Choice:
     last: RequestOutput | None = None
     offset: int = 0  # completions: characters of text before the next token
     echoed: bool = False
+    stream: ReplyStream | None = None  # chat with tools or reasoning: the reply's parser
+    calls: int = 0  # tool calls begun
 
 
 class Responder:
@@ -162,10 +183,12 @@ class Responder:
         reason = finish_reason(c.last)
         if self.shape.chat:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
-            calls = self._calls(c.text)
-            if calls is not None:
-                content, found = calls
+            parsed = self._parse(c.text)
+            if parsed is not None:
+                content, found, reasoning = parsed
                 message["content"] = content or None
+                if reasoning:
+                    message["reasoning_content"] = reasoning
                 if found:
                     message["tool_calls"] = [t.to_dict() for t in found]
                     if reason == "stop":
@@ -187,14 +210,12 @@ class Responder:
             logprobs = gen if logprobs is None else {k: logprobs[k] + gen[k] for k in gen}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    def _calls(self, text: str) -> tuple[str, list[ToolCall]] | None:
-        tools = self.shape.tools
-        if tools is None:
+    def _parse(self, text: str) -> tuple[str, list[ToolCall], str] | None:
+        stream = self.shape.reply_stream()
+        if stream is None:
             return None
-        if tools.mode == "forced":
-            return "", parse_forced_call(text)
-        content, calls = parse_tool_calls(text)
-        return content, calls if tools.parallel else calls[:1]
+        parsed = Parsed().add(stream.feed(text) + stream.finish())
+        return parsed.content, parsed.calls, parsed.reasoning
 
     # -- streaming --------------------------------------------------------------------
 
@@ -212,7 +233,6 @@ class Responder:
             for i in range(self.shape.n):
                 yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])  # fmt: skip
-        buffered = self.shape.tools is not None  # calls are parsed from the whole reply
         failed = False
 
         async def every() -> AsyncIterator[RequestOutput]:
@@ -221,7 +241,9 @@ class Responder:
                 yield out
 
         async for out in every():
-            c = choices.setdefault(out.index, _Choice(out.index))
+            c = choices.get(out.index)
+            if c is None:
+                c = choices[out.index] = _Choice(out.index, stream=self.shape.reply_stream())
             if out.finish_reason is FinishReason.ERROR:
                 failed = True
                 break
@@ -232,9 +254,9 @@ class Responder:
                 c.echoed = True
                 yield event([{"index": out.index, "text": text, "logprobs": lps,
                               "finish_reason": None}])  # fmt: skip
-            if buffered:
-                if out.finished:
-                    yield event([self._final_chunk(c)])
+            if c.stream is not None:
+                for item in self._parsed_chunks(c, out):
+                    yield event([item])
                 continue
             item = self._chunk(c, out)
             if item is not None:
@@ -266,22 +288,48 @@ class Responder:
         return {"index": out.index, "text": out.new_text, "logprobs": logprobs,
                 "finish_reason": None}  # fmt: skip
 
+    def _parsed_chunks(self, c: _Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        """Chat with tools or reasoning: the reply's events as deltas (content,
+        reasoning_content, a call's id and name, then its argument deltas)."""
+        assert c.stream is not None
+        events = c.stream.feed(out.new_text)
+        if out.finished:
+            events += c.stream.finish()
+        deltas: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, Text):
+                deltas.append({"content": e.text})
+            elif isinstance(e, Reasoning):
+                deltas.append({"reasoning_content": e.text})
+            elif isinstance(e, CallStart):
+                c.calls += 1
+                deltas.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                               "function": {"name": e.name, "arguments": ""}}]})  # fmt: skip
+            elif isinstance(e, CallArgs):
+                deltas.append({"tool_calls": [{"index": e.index,
+                                               "function": {"arguments": e.text}}]})  # fmt: skip
+        lps = out.logprobs if self.shape.logprobs else None
+        logprobs = None
+        if lps:
+            logprobs = {"content": [self._chat_entry(lp) for lp in lps], "refusal": None}
+            if not deltas:
+                deltas.append({})
+        items = [{"index": c.index, "delta": d, "logprobs": logprobs if i == 0 else None,
+                  "finish_reason": None} for i, d in enumerate(deltas)]  # fmt: skip
+        if out.finished:
+            reason = finish_reason(out)
+            if c.calls and reason == "stop":
+                reason = "tool_calls"
+            items.append({"index": c.index, "delta": {}, "logprobs": None,
+                          "finish_reason": reason})  # fmt: skip
+        return items
+
     def _end_chunk(self, out: RequestOutput) -> dict[str, Any]:
         if self.shape.chat:
             return {"index": out.index, "delta": {}, "logprobs": None,
                     "finish_reason": finish_reason(out)}  # fmt: skip
         return {"index": out.index, "text": "", "logprobs": None,
                 "finish_reason": finish_reason(out)}  # fmt: skip
-
-    def _final_chunk(self, c: _Choice) -> dict[str, Any]:
-        """With tools: the whole reply of a choice, calls parsed, in one chunk."""
-        assert c.last is not None
-        full = self._final_choice(c, None, c.index)
-        delta = {k: v for k, v in full["message"].items() if k != "role" and v is not None}
-        for i, call in enumerate(delta.get("tool_calls", [])):
-            call["index"] = i
-        return {"index": c.index, "delta": delta, "logprobs": full["logprobs"],
-                "finish_reason": full["finish_reason"]}  # fmt: skip
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -3,7 +3,8 @@
 Every request gets a Principal from Starlette's authentication middleware (ParleyAuth):
 
 - With API keys (`--api-key`, or several named ones in `--api-keys-file`), the principal is
-  the key's tenant. /v1 takes the key as `Authorization: Bearer <key>`; the chat page,
+  the key's tenant. /v1 takes the key as `Authorization: Bearer <key>` (or `x-api-key:
+  <key>`, as Anthropic's clients send it); the chat page,
   which cannot put headers on a WebSocket (and must not put a key in a URL, where logs
   keep it), asks for the key once and gets an HttpOnly, SameSite=Strict cookie naming the
   tenant and an expiry under an HMAC bound to the key's digest (Secure over TLS); /ws
@@ -224,8 +225,11 @@ class Access:
         if self.enabled:
             tenant = None
             scheme, _, token = headers.get("authorization", "").partition(" ")
+            api_key = headers.get("x-api-key", "").strip()  # Anthropic's clients send this
             if scheme.lower() == "bearer" and token.strip():
                 tenant = self.tenant_for_key(token.strip())
+            elif api_key:
+                tenant = self.tenant_for_key(api_key)
             else:
                 tenant = self._page_tenant(cookies.get(AUTH_COOKIE))
             owner = f"tenant:{tenant}"

@@ -5,26 +5,11 @@ A turn runs as a task of its own, apart from any socket: its frames go to its Tu
 (app.server.journal), the turn is appended before it is scheduled and each token frame is
 recorded before it is shown, so a turn can be taken up again by the next process.
 
-Taking a turn up again (recovery): a turn cut within its first REPLAY_MAX_TOKENS tokens
-(app.engine.request, SamplingParams.can_replay) is replayed. The new request has the
-old prompt and replays the recorded output (SamplingParams.replay_ids): each recorded
-token is fed back by a decode step of its own, as it was first decoded, and only what
-follows reaches the stream. Its K/V, its sampler's
-random stream, its penalties and its detokenizer then stand where the uninterrupted run's
-did: in fp32 greedy and seeded replies go on token for token, and with bf16 activations
-far closer than from a prefill (README, "Determinism": 0 against 11 of 32 greedy cuts
-parted, though a 16-turn restart test still saw a late near tie flip in some runs).
-
-A longer output would cost as many decode steps, so past REPLAY_MAX_TOKENS the new
-request's prompt is the old prompt plus the output so far, computed in one prefill (the
-prefix cache makes that cheap where it still holds the prompt). It is cut back to the last
-token whose text the clients were wholly sent (a character split over tokens, or text held
-back as a possible stop string, is generated again) and the first characters of the new
-text, which the clients had, are skipped. max_tokens shrinks by the tokens kept and
-`seed_offset` grows by them, so sampling draws on from the same point of the seed's
-stream. That continues exactly in fp32 only, and presence and frequency penalties no
-longer count the output before the cut (it is now prompt). Either way a journaled turn
-that samples is given a seed if it had none.
+Taking a turn up again (recovery): the turn's recorded output and the text its clients
+were sent make an engine Continuation (app.engine.continuation), which chooses between
+replaying that output and carrying it in a prefill, cuts it back to the text the clients
+had, and keeps the turn's usage its own. A journaled turn that samples is given a seed if
+it had none, so that either way its random stream goes on where it was.
 """
 
 from __future__ import annotations
@@ -37,8 +22,10 @@ import uuid
 from dataclasses import dataclass, replace
 
 from app.chat.sessions import conversation_key
+from app.engine.continuation import Continuation
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import RequestOutput
-from app.engine.request import FinishReason, SamplingParams
+from app.engine.request import FinishReason
 from app.server import protocol as p
 from app.server.chat_service import ChatService, Turn
 from app.server.errors import ENGINE_ERRORS, ws_error
@@ -53,51 +40,29 @@ SUPERSEDE_TIMEOUT_S = 10.0  # a cancelled turn ends within an engine step; this 
 
 
 @dataclass(frozen=True)
-class Continuation:
-    """Where a turn taken from the journal picks up."""
+class Resumed:
+    """Where a turn taken from the journal picks up: the engine's continuation of its
+    recorded output, and what its clients were sent."""
 
     entry: JournalEntry
-    prompt_ids: list[int]  # the turn's prompt
-    token_ids: list[int]  # the output kept: replayed, or part of the new request's prompt
     text: str  # the reply text clients were sent
-    skip: int  # characters at the start of the new text that clients were sent already
-    # Replayed: the recorded output as params.replay_ids. Otherwise max_tokens and
-    # seed_offset moved on by len(token_ids).
-    params: SamplingParams
-    start: tuple[int, ...]  # prompt, cached and tier-cached tokens of the first start frame
-
-    @property
-    def replays(self) -> bool:
-        return bool(self.params.replay_ids)
+    cont: Continuation
 
 
-def continuation(tokenizer, turn: RecoveredTurn) -> Continuation | None:
+def continuation(tokenizer, turn: RecoveredTurn) -> Resumed | None:
     """Where `turn` picks up; None when its token budget is spent already."""
     text = "".join(turn.texts)
-    ids = turn.token_ids
-    params = turn.record.params
-    start = turn.start or (len(turn.record.prompt_ids), 0)
-    if params.can_replay(len(ids)):
-        if params.max_tokens is not None and len(ids) >= params.max_tokens:
-            return None
-        # The recorded ids are exactly those whose text was recorded (a frame's ids are
-        # written with its text): replayed, they leave the detokenizer where it was.
-        params = params.replaying(ids)
-        return Continuation(turn.entry, turn.record.prompt_ids, ids, text, 0, params, start)
     skip_special = turn.record.params.skip_special_tokens
-    keep = len(ids)
-    decoded = ""
-    while keep > 0:
-        decoded = tokenizer.decode(ids[:keep], skip_special_tokens=skip_special)
-        if text.startswith(decoded) and not decoded.endswith("\ufffd"):
-            break
-        keep -= 1
-    if keep == 0:
-        decoded = ""
-    if params.max_tokens is not None and params.max_tokens - keep < 1:
+    cont = Continuation.of(
+        turn.record.prompt_ids,
+        turn.token_ids,  # exactly those whose text was recorded: a frame's ids go with it
+        turn.record.params,
+        shown=text,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special),
+    )
+    if cont is None:
         return None
-    return Continuation(turn.entry, turn.record.prompt_ids, ids[:keep], text,
-                        len(text) - len(decoded), params.after(keep), start)  # fmt: skip
+    return Resumed(turn.entry, text, cont)
 
 
 class TurnRunner:
@@ -228,16 +193,16 @@ class TurnRunner:
                 self.chat.forget(turn)
         stream.finish(terminal)
 
-    async def _run(self, turn: Turn, stream: TurnStream, cont: Continuation | None) -> None:
+    async def _run(self, turn: Turn, stream: TurnStream, resumed: Resumed | None) -> None:
         """Engine outputs -> frames; then exactly one terminal frame, unless the server
         is shutting down and the journal keeps the turn for the next process."""
         frame = turn.frame
         request_id = uuid.uuid4().hex
         stream.on_cancel(lambda: self.chat.engine.abort(request_id))
-        entry = cont.entry if cont else None
-        reply: list[str] = [cont.text] if cont else []
-        reply_ids: list[int] = list(cont.token_ids) if cont else []
-        kept = 0 if cont is None or cont.replays else len(reply_ids)  # output not in usage
+        cont = resumed.cont if resumed else None
+        entry = resumed.entry if resumed else None
+        reply: list[str] = [resumed.text] if resumed else []
+        reply_ids: list[int] = list(cont.kept_ids) if cont else []
         unrecorded: list[int] = []  # output ids not in the journal yet
         skip = cont.skip if cont else 0
         last: RequestOutput | None = None
@@ -258,14 +223,9 @@ class TurnRunner:
                                         frame.conversation_id, frame.id, turn.messages, params,
                                         frame.cache, salt, prompt_ids)  # fmt: skip
                     entry = await self.journal.accept(record, turn.conversation.key)
-                base = 0
-            elif cont.replays:  # the engine's usage counts the replayed output
-                prompt_ids, params, base = cont.prompt_ids, cont.params, 0
             else:
-                prompt_ids = cont.prompt_ids + cont.token_ids
-                params = cont.params
-                base = len(cont.prompt_ids)
-            outputs = self.chat.engine.generate(
+                prompt_ids, params = list(cont.prompt_ids), frame.params
+            asked = EngineRequest(
                 prompt_ids,
                 params,
                 request_id,
@@ -274,7 +234,12 @@ class TurnRunner:
                 cache_salt=salt,
                 routing_key=turn.conversation.key,  # replicas: where the conversation's K/V is
             )
+            if cont is not None:  # replays the recorded output, or carries it in its prompt
+                asked = cont.request(asked)
+            outputs = self.chat.engine.generate(asked)
             async for out in outputs:
+                if cont is not None:  # usage as the turn's: its prompt, all of its output
+                    out = cont.output(out)
                 if last is None and stream.cancelled:
                     # Cancelled before the engine had the request: that abort found nothing.
                     self.chat.engine.abort(request_id)
@@ -282,7 +247,7 @@ class TurnRunner:
                 reply_ids += out.new_token_ids
                 unrecorded += out.new_token_ids
                 if stream.start is None and start is None:
-                    start = (base or out.prompt_tokens, out.cached_tokens, out.tier_cached_tokens)
+                    start = (out.prompt_tokens, out.cached_tokens, out.tier_cached_tokens)
                 text = out.new_text
                 if skip:
                     cut = min(skip, len(text))
@@ -306,10 +271,10 @@ class TurnRunner:
                     stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start,
                                                    dropped_messages=turn.dropped))  # fmt: skip
                 reply.append(text)
-                stream.push(text, kept + out.completion_tokens)
+                stream.push(text, out.completion_tokens)
                 await stream.sent()
             else:
-                terminal = self._terminal(turn, last, base, kept)
+                terminal = self._terminal(turn, last)
         except JournalUnavailable as exc:
             terminal = p.error_frame(p.ProtocolError(p.UNAVAILABLE, str(exc), frame.id, True))
         except ENGINE_ERRORS as exc:
@@ -347,7 +312,7 @@ class TurnRunner:
             stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start))
         stream.finish(terminal)
 
-    def _terminal(self, turn: Turn, last: RequestOutput | None, base: int, kept: int) -> str | None:
+    def _terminal(self, turn: Turn, last: RequestOutput | None) -> str | None:
         frame = turn.frame
         if last is None:
             return None
@@ -361,10 +326,7 @@ class TurnRunner:
         if last.finish_reason is FinishReason.ABORT:
             reason = "cancelled"
         self.chat.log_turn(turn, last, reason)
-        usage = self.chat.usage(last)
-        if base:  # a continuation: the turn's own prompt, and the output before the cut
-            usage = p.Usage(base, kept + usage.completion_tokens, usage.cached_tokens,
-                            usage.tier_cached_tokens)  # fmt: skip
+        usage = self.chat.usage(last)  # a continuation's: the turn's own (Continuation.output)
         return p.done_frame(frame.id, reason, usage, self.chat.timings(last))
 
 

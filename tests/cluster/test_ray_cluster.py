@@ -115,11 +115,42 @@ def test_a_replica_killed_mid_stream_leaves_one_continuous_reply(cluster):
     wait_for(lambda: c.stats().num_running == 0 and c.stats().num_waiting == 0)
 
 
+def test_api_requests_without_a_key_follow_their_cached_prefix(cluster):
+    """Four /v1 clients share a long system prompt and send no `user`: they go where its
+    blocks are (not to wherever a hash of their first tokens says) and reuse them."""
+    c, client = cluster
+    system = "You are the harbor master of a small northern port. " * 6
+    before = dict(c.router.decisions)
+    cached = []
+    for question in ("Where is the ferry?", "When is high tide?", "Is it windy?", "Hi!"):
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": question}]}  # fmt: skip
+        reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert c.router.decisions["prefix"] - before.get("prefix", 0) >= 3
+    assert all(n >= 32 for n in cached[1:]), cached  # the system prompt's blocks, reused
+    wait_for(lambda: any(c.router._held.get(r) for r in c.live))  # heartbeats publish
+
+
+def test_a_request_a_replica_refuses_is_a_clear_error_and_the_rest_goes_on(cluster):
+    """The engine's refusal (a prompt past the context) crosses the relay as its type."""
+    c, client = cluster
+    body = {"model": c.info.name, "prompt": [5] * 3000, "max_tokens": 1}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert "context" in reply.json()["error"]["message"]
+    body = {"model": c.info.name, "prompt": [5] * 30, "max_tokens": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
 def test_routing_and_replicas_show_in_metrics(cluster):
     _, client = cluster
     text = client.get("/metrics").text
     assert 'parley:replica_up{replica="0"} 1.0' in text
     assert 'parley:routing_decisions_total{decision="affine"}' in text
+    assert 'parley:routing_decisions_total{decision="prefix"}' in text
 
 
 def test_one_replica_imports_no_ray():

@@ -18,6 +18,7 @@ import websockets
 from app.chat.prompt import ChatPrompt, Message
 from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model import build
 from tests.engine.util import run
@@ -31,7 +32,7 @@ QUESTIONS = [f"Write a few sentences about the number {n}." for n in range(TURNS
 
 
 # The format: the default where prompts attend through Parley's kernel (a CPU with
-# AVX-512), whose bits do not depend on how a token was reached (README, "Determinism");
+# AVX-512), whose bits do not depend on how a token was reached (docs/determinism.md);
 # the fp32 reference elsewhere. A turn taken up after the kill replays its sent tokens one
 # decode step each (app.server.turn_runner). Before the prompt kernel, 6 runs of 28 on the
 # default format saw one of the 16 replies take another last token at a near tie.
@@ -124,7 +125,7 @@ def uninterrupted(smollm) -> list[str]:
     prompt = ChatPrompt(smollm.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, q in enumerate(QUESTIONS):
-        engine.add_request(str(i), prompt.render([Message("user", q)]), params)
+        engine.add_request(EngineRequest(prompt.render([Message("user", q)]), params, str(i)))
     results = run(engine)
     return [results[str(i)].text for i in range(TURNS)]
 

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from app.engine.async_engine import AsyncEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import EngineDead
 from app.engine.request import SamplingParams
 from tests.engine.util import all_free
@@ -14,7 +15,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
 async def collect(engine: AsyncEngine, prompt, params=PARAMS, request_id=None):
-    outs = [o async for o in engine.generate(prompt, params, request_id)]
+    outs = [o async for o in engine.generate(EngineRequest(prompt, params, request_id))]
     return outs
 
 
@@ -38,7 +39,7 @@ def test_streams_equal_the_synchronous_engine(tokenizer, aengine):
     sync = tiny_engine(tokenizer)
     expected = []
     for p in prompts:
-        sync.add_request("x", p, PARAMS)
+        sync.add_request(EngineRequest(p, PARAMS, "x"))
         tokens = []
         while sync.has_unfinished_requests():
             for o in sync.step():
@@ -59,7 +60,7 @@ def test_streams_equal_the_synchronous_engine(tokenizer, aengine):
 def test_breaking_out_of_the_stream_aborts_and_frees(aengine):
     async def main():
         params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-        async for out in aengine.generate([5, 6, 7], params, "long"):
+        async for out in aengine.generate(EngineRequest([5, 6, 7], params, "long")):
             if out.completion_tokens >= 3:
                 break
         await wait_until(lambda: not aengine.engine.requests)
@@ -72,7 +73,7 @@ def test_abort_ends_the_stream_with_abort(aengine):
     async def main():
         params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
         outs = []
-        async for out in aengine.generate([5, 6, 7], params, "x"):
+        async for out in aengine.generate(EngineRequest([5, 6, 7], params, "x")):
             outs.append(out)
             if len(outs) == 2:
                 aengine.abort("x")
@@ -100,7 +101,7 @@ def test_cancelled_task_aborts(aengine):
 def test_slow_reader_gets_merged_outputs(aengine):
     async def main():
         outs = []
-        async for out in aengine.generate([5, 6, 7], PARAMS):
+        async for out in aengine.generate(EngineRequest([5, 6, 7], PARAMS)):
             outs.append(out)
             await asyncio.sleep(0.2)  # much slower than the tiny model
         return outs
@@ -115,7 +116,7 @@ def test_invalid_input_and_duplicate_ids(aengine):
         with pytest.raises(ValueError, match="empty"):
             await collect(aengine, [])
         params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-        first = aengine.generate([5, 6], params, "dup")
+        first = aengine.generate(EngineRequest([5, 6], params, "dup"))
         await first.__anext__()
         with pytest.raises(ValueError, match="already in use"):
             await collect(aengine, [5, 6], params, "dup")
@@ -133,7 +134,7 @@ def test_stopped_engine_refuses_and_fails_open_streams(tokenizer):
 
     async def main():
         params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-        stream = engine.generate([5, 6], params)
+        stream = engine.generate(EngineRequest([5, 6], params))
         await stream.__anext__()
         await engine.stop()
         with pytest.raises(EngineDead):

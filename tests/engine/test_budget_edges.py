@@ -4,6 +4,7 @@ that leave a single prompt token, budgets that end exactly at a prompt's end."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from tests.engine.util import run
 from tests.tiny import tiny_engine
@@ -26,7 +27,7 @@ def alone(tokenizer, prompt: list[int]) -> list[int]:
     key = tuple(prompt)
     if key not in _ALONE:
         engine = tiny_engine(tokenizer)
-        engine.add_request("x", prompt, GREEDY)
+        engine.add_request(EngineRequest(prompt, GREEDY, "x"))
         _ALONE[key] = run(engine)["x"].token_ids
     return _ALONE[key]
 
@@ -37,7 +38,7 @@ def test_a_one_token_prefill_chunk_does_not_sample(tokenizer):
     prompt token. It must not be sampled as if it were a decode."""
     p, a = tokens(40, seed=3), tokens(31, seed=4)
     engine = tiny_engine(tokenizer, max_num_batched_tokens=32, prefill_chunk_while_decoding=32)
-    engine.add_request("warm", p, GREEDY)
+    engine.add_request(EngineRequest(p, GREEDY, "warm"))
     run(engine)
     steps = []
     real_run = engine.runner.run
@@ -47,8 +48,8 @@ def test_a_one_token_prefill_chunk_does_not_sample(tokenizer):
         return real_run(sched)
 
     engine.runner.run = spy
-    engine.add_request("a", a, GREEDY)
-    engine.add_request("p", p, GREEDY)
+    engine.add_request(EngineRequest(a, GREEDY, "a"))
+    engine.add_request(EngineRequest(p, GREEDY, "p"))
     outputs = engine.step()
     assert steps[0] == [("a", 31, True), ("p", 1, False)]  # the edge is reached
     assert [o.request_id for o in outputs] == ["a"]  # nothing was sampled for p
@@ -85,10 +86,10 @@ def test_any_budget_and_cached_prefix_equals_alone(
         batching=batching,
     )
     if warm:
-        engine.add_request("warm", prompts[0], GREEDY)
+        engine.add_request(EngineRequest(prompts[0], GREEDY, "warm"))
         run(engine)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, GREEDY)
+        engine.add_request(EngineRequest(p, GREEDY, f"r{i}"))
     res = run(engine)
     for i, p in enumerate(prompts):
         assert res[f"r{i}"].token_ids == alone(tokenizer, p), f"prompt {i} differs"

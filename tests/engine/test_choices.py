@@ -3,6 +3,7 @@ separate requests seed, seed + 1, ... would."""
 
 import pytest
 
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter
 from app.engine.request import SamplingParams
 from tests.engine.util import all_free, run
@@ -31,7 +32,7 @@ def by_choice(engine, request_id: str) -> dict[int, list[int]]:
 
 def separately(engine, prompt: list[int], n: int, **kw) -> list[list[int]]:
     for i in range(n):
-        engine.add_request(f"alone{i}", prompt, hot(7 + i, **kw))
+        engine.add_request(EngineRequest(prompt, hot(7 + i, **kw), f"alone{i}"))
     res = run(engine)
     return [res[f"alone{i}"].token_ids for i in range(n)]
 
@@ -40,7 +41,7 @@ def separately(engine, prompt: list[int], n: int, **kw) -> list[list[int]]:
 def test_choices_sample_as_separately_seeded_requests(tokenizer, prompt_len):
     engine = tiny_engine(tokenizer)
     prompt = list(range(300, 300 + prompt_len))
-    engine.add_request("g", prompt, hot(n=4))
+    engine.add_request(EngineRequest(prompt, hot(n=4), "g"))
     choices = by_choice(engine, "g")
     alone = separately(tiny_engine(tokenizer), prompt, 4)
     assert [choices[i] for i in range(4)] == alone
@@ -52,7 +53,7 @@ def test_the_prompt_is_computed_once_and_stored_once(tokenizer):
     engine = tiny_engine(tokenizer, prefix_caching=False)
     prompt = list(range(400, 440))  # 2.5 blocks of 16
     computed, peak = 0, 0
-    engine.add_request("g", prompt, hot(n=4, max_tokens=3))
+    engine.add_request(EngineRequest(prompt, hot(n=4, max_tokens=3), "g"))
     while engine.has_unfinished_requests():
         sched = engine.scheduler.schedule
         out = sched()
@@ -73,7 +74,7 @@ def test_choices_survive_preemption(tokenizer):
     # 9 usable blocks: three choices of a 40-token prompt growing by 40 tokens need 11.
     engine = tiny_engine(tokenizer, num_blocks=10, max_num_seqs=4)
     prompt = list(range(600, 640))
-    engine.add_request("g", prompt, hot(n=3, max_tokens=40))
+    engine.add_request(EngineRequest(prompt, hot(n=3, max_tokens=40), "g"))
     choices = by_choice(engine, "g")
     assert engine.stats().num_preemptions > 0
     assert [choices[i] for i in range(3)] == separately(
@@ -84,7 +85,7 @@ def test_choices_survive_preemption(tokenizer):
 
 def test_abort_ends_every_choice_and_frees_the_blocks(tokenizer):
     engine = tiny_engine(tokenizer)
-    engine.add_request("g", list(range(700, 730)), hot(n=3, max_tokens=50))
+    engine.add_request(EngineRequest(list(range(700, 730)), hot(n=3, max_tokens=50), "g"))
     for _ in range(4):
         engine.step()
     assert engine.abort("g")
@@ -97,7 +98,7 @@ def test_abort_ends_every_choice_and_frees_the_blocks(tokenizer):
 
 def test_abort_before_the_prompt_is_computed(tokenizer):
     engine = tiny_engine(tokenizer, max_num_batched_tokens=16)
-    engine.add_request("g", list(range(700, 760)), hot(n=3))
+    engine.add_request(EngineRequest(list(range(700, 760)), hot(n=3), "g"))
     engine.step()  # the first chunk of the prompt only
     engine.abort("g")
     outs = engine.step()
@@ -107,8 +108,8 @@ def test_abort_before_the_prompt_is_computed(tokenizer):
 
 def test_choices_take_seats_within_max_num_seqs(tokenizer):
     engine = tiny_engine(tokenizer, max_num_seqs=4)
-    engine.add_request("a", list(range(10, 30)), hot(n=3, max_tokens=4))
-    engine.add_request("b", list(range(30, 50)), hot(n=2, max_tokens=4))
+    engine.add_request(EngineRequest(list(range(10, 30)), hot(n=3, max_tokens=4), "a"))
+    engine.add_request(EngineRequest(list(range(30, 50)), hot(n=2, max_tokens=4), "b"))
     seen = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -121,5 +122,5 @@ def test_bad_n(tokenizer):
     engine = tiny_engine(tokenizer, max_num_seqs=4)
     for n, session in [(5, None), (2, "s"), (0, None), (2.0, None)]:
         with pytest.raises(BadParameter) as err:
-            engine.make_request([1, 2, 3], hot(n=n), session_id=session)
+            engine.make_request(EngineRequest([1, 2, 3], hot(n=n), session_id=session))
         assert err.value.name == "n"

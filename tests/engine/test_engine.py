@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import tests.tiny
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model.packed_linear import PackedLinear, packable
 from tests.engine.util import all_free, run
@@ -25,7 +26,7 @@ def generate(engine, ps, params=GREEDY, stagger: int = 0):
     def add(step):
         for i, (rid, p) in enumerate(zip(ids, ps)):
             if i * stagger == step:
-                engine.add_request(rid, p, params)
+                engine.add_request(EngineRequest(p, params, rid))
 
     res = run(engine, before_step=add)
     return [res[i] for i in ids]
@@ -69,7 +70,7 @@ def test_chunked_prefill_equals_one_shot(tokenizer, reference):
 
 def test_prefill_logits_only_where_sampled(tokenizer):
     engine = tiny_engine(tokenizer, max_num_batched_tokens=32)
-    engine.add_request("a", prompts(1, length=100)[0], GREEDY)
+    engine.add_request(EngineRequest(prompts(1, length=100)[0], GREEDY, "a"))
     sched = engine.scheduler.schedule()
     inp = engine.runner.prepare(sched)
     assert inp.input_ids.numel() == 32 and inp.logits_indices.numel() == 0
@@ -77,9 +78,9 @@ def test_prefill_logits_only_where_sampled(tokenizer):
 
 def test_decodes_come_first_and_prefill_is_capped_while_decoding(tokenizer):
     engine = tiny_engine(tokenizer, max_num_batched_tokens=128, prefill_chunk_while_decoding=16)
-    engine.add_request("a", prompts(1, 20)[0], GREEDY)
+    engine.add_request(EngineRequest(prompts(1, 20)[0], GREEDY, "a"))
     engine.step()  # a: whole prompt, samples its first token
-    engine.add_request("b", prompts(1, 300, seed=1)[0], GREEDY)
+    engine.add_request(EngineRequest(prompts(1, 300, seed=1)[0], GREEDY, "b"))
     sched = engine.scheduler.schedule()
     assert [(s.request.request_id, s.num_tokens) for s in sched.scheduled] == [("a", 1), ("b", 16)]
 
@@ -107,7 +108,7 @@ def test_a_request_may_opt_out_of_the_prefix_cache(tokenizer):
     p = prompts(1, length=64)[0]
     engine = tiny_engine(tokenizer)
     generate(engine, [p])
-    engine.add(engine.make_request(p, GREEDY, "x", use_prefix_cache=False))
+    engine.add(engine.make_request(EngineRequest(p, GREEDY, "x", use_prefix_cache=False)))
     assert run(engine)["x"].cached_tokens == 0
     (again,) = generate(engine, [p])
     assert again.cached_tokens == 48
@@ -151,7 +152,7 @@ def test_abort_any_mix_frees_everything(tokenizer, when):
     def step(i):
         if i == 0:
             for j, p in enumerate(ps):
-                engine.add_request(f"r{j}", p, params)
+                engine.add_request(EngineRequest(p, params, f"r{j}"))
         if i == when:
             for j in (0, 3, 4, 7):  # running, waiting, mid-prefill: whatever they are now
                 assert engine.abort(f"r{j}")
@@ -166,7 +167,7 @@ def test_abort_any_mix_frees_everything(tokenizer, when):
 def test_max_num_seqs_is_respected(tokenizer):
     engine = tiny_engine(tokenizer, max_num_seqs=3)
     for j, p in enumerate(prompts(7, 10)):
-        engine.add_request(f"r{j}", p, GREEDY)
+        engine.add_request(EngineRequest(p, GREEDY, f"r{j}"))
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -211,10 +212,10 @@ def test_max_tokens_and_context_length(tokenizer):
 def test_bad_requests_raise_clear_errors(tokenizer, prompt, message):
     engine = tiny_engine(tokenizer, max_position_embeddings=64)
     with pytest.raises(ValueError, match=message):
-        engine.add_request("x", prompt, GREEDY)
-    engine.add_request("ok", [5, 6, 7], GREEDY)
+        engine.add_request(EngineRequest(prompt, GREEDY, "x"))
+    engine.add_request(EngineRequest([5, 6, 7], GREEDY, "ok"))
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("ok", [5, 6, 7], GREEDY)
+        engine.add_request(EngineRequest([5, 6, 7], GREEDY, "ok"))
     res = run(engine)
     assert res["ok"].finish_reason == "length" and all_free(engine)
 
@@ -222,7 +223,7 @@ def test_bad_requests_raise_clear_errors(tokenizer, prompt, message):
 def test_prompt_larger_than_the_cache_is_refused(tokenizer):
     engine = tiny_engine(tokenizer, num_blocks=5)  # 4 usable blocks = 64 tokens
     with pytest.raises(ValueError, match="KV cache holds only 64 tokens"):
-        engine.add_request("x", prompts(1, 70)[0], GREEDY)
+        engine.add_request(EngineRequest(prompts(1, 70)[0], GREEDY, "x"))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -2,6 +2,7 @@
 
 import time
 
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from tests.engine.test_engine import generate, prompts
 from tests.engine.util import all_free, run
@@ -24,8 +25,8 @@ def test_a_failing_sampler_row_fails_only_its_request(tokenizer):
 
     engine.runner.sampler = sampler
     for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", p, PARAMS)
-    engine.add_request("bad", prompts(1, seed=9)[0], POISON)
+        engine.add_request(EngineRequest(p, PARAMS, f"r{i}"))
+    engine.add_request(EngineRequest(prompts(1, seed=9)[0], POISON, "bad"))
     res = run(engine)
     assert res["bad"].finish_reason == "error"
     assert [res[f"r{i}"].token_ids for i in range(4)] == clean
@@ -35,7 +36,7 @@ def test_a_failing_sampler_row_fails_only_its_request(tokenizer):
 def test_a_failing_detokenizer_fails_only_its_request(tokenizer):
     engine = tiny_engine(tokenizer)
     for i, p in enumerate(prompts(3)):
-        engine.add_request(f"r{i}", p, PARAMS)
+        engine.add_request(EngineRequest(p, PARAMS, f"r{i}"))
 
     def broken(ids):
         raise UnicodeError("cannot decode")
@@ -50,7 +51,7 @@ def test_a_failing_detokenizer_fails_only_its_request(tokenizer):
 def test_requests_over_their_time_limit_stop(tokenizer):
     engine = tiny_engine(tokenizer, request_timeout_s=0.05)
     long = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-    engine.add_request("slow", prompts(1)[0], long)
+    engine.add_request(EngineRequest(prompts(1)[0], long, "slow"))
     engine.step()
     time.sleep(0.1)
     engine._next_housekeeping = 0  # the next step runs the once-a-second chores

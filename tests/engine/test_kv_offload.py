@@ -9,6 +9,7 @@ import time
 import pytest
 
 from app.config import TierConfig
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.kvtier.entry import encode
 from tests.engine.util import run
@@ -39,7 +40,7 @@ def engines():
 
 def turn(engine, rid, prompt, session="s", params=PARAMS):
     """One request to its end: (token ids, cached tokens, tier tokens)."""
-    engine.add_request(rid, prompt, params, session_id=session)
+    engine.add_request(EngineRequest(prompt, params, rid, session_id=session))
     cached = tier = 0
     ids = []
     while engine.has_unfinished_requests():
@@ -52,7 +53,7 @@ def turn(engine, rid, prompt, session="s", params=PARAMS):
 
 def recomputed(tokenizer, prompt, params=PARAMS):
     engine = tiny_engine(tokenizer, prefix_caching=False)
-    engine.add_request("x", prompt, params)
+    engine.add_request(EngineRequest(prompt, params, "x"))
     return run(engine)["x"].token_ids
 
 
@@ -149,7 +150,9 @@ def test_corrupt_truncated_and_foreign_entries_mean_recompute(tokenizer, engines
 
 def test_cache_false_keeps_nothing_in_the_tier(tokenizer, engines):
     engine = engines(tokenizer, num_blocks=64, tier=MEMORY)
-    engine.add(engine.make_request(tokens(100, 0), PARAMS, "x", use_prefix_cache=False))
+    engine.add(
+        engine.make_request(EngineRequest(tokens(100, 0), PARAMS, "x", use_prefix_cache=False))
+    )
     run(engine)
     engine.offload.flush()
     assert engine.stats().tier.stores == 0 and engine.offload.tier.usage().blocks == 0

@@ -4,6 +4,7 @@ logits over the same tokens (LlamaModel.forward_tokens, one plain causal pass)."
 import pytest
 import torch
 
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from tests.engine.util import run
 from tests.tiny import tiny_engine
@@ -32,8 +33,8 @@ def test_sampled_token_logprobs_match_the_model(tokenizer, extra):
     engine = tiny_engine(tokenizer)
     prompt = list(range(900, 925))
     params = SamplingParams(**{"temperature": 0, "max_tokens": 6, "logprobs": 4, **extra})
-    engine.add_request("a", prompt, params)
-    engine.add_request("free", list(range(50, 70)), SamplingParams(max_tokens=6))
+    engine.add_request(EngineRequest(prompt, params, "a"))
+    engine.add_request(EngineRequest(list(range(50, 70)), SamplingParams(max_tokens=6), "free"))
     everything = collect(engine)
     assert all(o.logprobs is None for o in everything if o.request_id == "free")
     outs = [o for o in everything if o.request_id == "a"]
@@ -50,7 +51,7 @@ def test_sampled_token_logprobs_match_the_model(tokenizer, extra):
 
 def test_no_logprobs_unless_asked(tokenizer):
     engine = tiny_engine(tokenizer)
-    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3))
+    engine.add_request(EngineRequest(list(range(10, 30)), SamplingParams(max_tokens=3), "a"))
     assert all(o.logprobs is None and o.prompt_logprobs is None for o in collect(engine))
 
 
@@ -61,9 +62,9 @@ def test_scoring_a_prompt_with_max_tokens_0(tokenizer, cached_first):
     engine = tiny_engine(tokenizer, max_num_batched_tokens=512)
     prompt = [int(t) for t in torch.randint(100, 20000, (600,), generator=torch.Generator())]
     if cached_first:
-        engine.add_request("warm", prompt, SamplingParams(max_tokens=1))
+        engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=1), "warm"))
         run(engine)
-    engine.add_request("s", prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=0, prompt_logprobs=2), "s"))
     outs = collect(engine)
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length"
     assert outs[0].completion_tokens == 0 and outs[0].new_token_ids == []
@@ -80,7 +81,9 @@ def test_scoring_a_prompt_with_max_tokens_0(tokenizer, cached_first):
 def test_prompt_logprobs_with_generation_come_once(tokenizer):
     engine = tiny_engine(tokenizer)
     prompt = list(range(1000, 1040))
-    engine.add_request("e", prompt, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0))
+    engine.add_request(
+        EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0), "e")
+    )
     outs = collect(engine)
     with_prompt = [o for o in outs if o.prompt_logprobs is not None]
     assert len(with_prompt) == 1 and with_prompt[0] is outs[0]

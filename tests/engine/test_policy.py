@@ -8,6 +8,7 @@ import pytest
 
 from app.config import SchedulerConfig
 from app.engine.cost_model import MIN_STEPS, StepCostModel, StepShape
+from app.engine.engine_request import EngineRequest
 from app.engine.outputs import ITL_OVER
 from app.engine.policy import (
     AUTO_TARGET_FACTOR,
@@ -193,7 +194,7 @@ def test_the_real_engine_cuts_a_long_prompt_beside_decodes(tokenizer):
         max_num_seqs=16, max_num_batched_tokens=256, batching="adaptive", itl_target_ms=1e-3
     )
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    engine.add_request("talk", list(range(100, 140)), params)
+    engine.add_request(EngineRequest(list(range(100, 140)), params, "talk"))
     engine.step()  # its prompt, alone: the whole thing at once
     chunks = []
     real = engine.runner.run
@@ -203,7 +204,7 @@ def test_the_real_engine_cuts_a_long_prompt_beside_decodes(tokenizer):
         return real(sched)
 
     engine.runner.run = spy
-    engine.add_request("paste", list(range(1000, 1200)), params)
+    engine.add_request(EngineRequest(list(range(1000, 1200)), params, "paste"))
     res = run(engine)
     assert chunks[0] == MIN_CHUNK and max(chunks) < 200
     assert res["paste"].finish_reason == "length"
@@ -214,7 +215,7 @@ def test_the_real_engine_cuts_a_long_prompt_beside_decodes(tokenizer):
     stats = engine.stats()
     assert stats.itl_gaps >= 2 * 29 and stats.itl_gaps_over == (stats.itl_gaps,) * len(ITL_OVER)
     alone = tiny_engine(tokenizer, batching="static")
-    alone.add_request("paste", list(range(1000, 1200)), params)
+    alone.add_request(EngineRequest(list(range(1000, 1200)), params, "paste"))
     assert run(alone)["paste"].token_ids == res["paste"].token_ids
     assert alone.stats().itl_gaps == 0  # no target, nothing held against one
 
@@ -228,12 +229,16 @@ def test_a_question_is_admitted_ahead_of_a_paste_under_way(tokenizer):
         max_num_seqs=16, max_num_batched_tokens=256, batching="adaptive", itl_target_ms=1e-3
     )
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    engine.add_request("talk", list(range(100, 140)), params)
+    engine.add_request(EngineRequest(list(range(100, 140)), params, "talk"))
     engine.step()  # its prompt, alone
-    engine.add_request("paste", list(range(1000, 1200)), params)
+    engine.add_request(EngineRequest(list(range(1000, 1200)), params, "paste"))
     engine.step()
     engine.step()  # the paste under way, MIN_CHUNK a step
-    engine.add_request("question", list(range(300, 340)), params)
+    engine.add_request(EngineRequest(list(range(300, 340)), params, "question"))
+    # Deadlines are arrival + predicted prefill: the question arrived just after the paste
+    # began, however slowly this (shared) machine ran the steps in between.
+    paste = engine.requests["paste"].timings
+    engine.requests["question"].timings.arrival = paste.arrival + 1e-3
     steps = []
     real = engine.runner.run
 

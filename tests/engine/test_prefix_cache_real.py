@@ -6,6 +6,7 @@ from pathlib import Path
 
 from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model import build
 from tests.engine.util import run
@@ -41,18 +42,18 @@ def test_shared_prefix_is_served_from_cache_with_identical_output(smollm, tokeni
 
     # The fp32 reference: from a cached prefix the rest of the prompt attends through
     # another kernel path than a whole prompt does; in bf16 (the default with native bf16)
-    # that can flip a near tie (README, "Determinism", measures how often).
+    # that can flip a near tie (docs/determinism.md measures how often).
     cached = LLMEngine(EngineConfig(EXACT, CacheConfig(256 << 20), debug_checks=True), smollm)
-    cached.add_request("first", first, PARAMS)
+    cached.add_request(EngineRequest(first, PARAMS, "first"))
     assert run(cached)["first"].cached_tokens == 0
-    cached.add_request("second", second, PARAMS)
+    cached.add_request(EngineRequest(second, PARAMS, "second"))
     got = run(cached)["second"]
     assert got.cached_tokens >= (shared // 16) * 16
 
     plain = LLMEngine(
         EngineConfig(EXACT, CacheConfig(256 << 20, enable_prefix_caching=False)), smollm
     )
-    plain.add_request("second", second, PARAMS)
+    plain.add_request(EngineRequest(second, PARAMS, "second"))
     expected = run(plain)["second"]
     assert expected.cached_tokens == 0
     assert got.token_ids == expected.token_ids and got.text == expected.text
@@ -60,7 +61,7 @@ def test_shared_prefix_is_served_from_cache_with_identical_output(smollm, tokeni
 
 def _collect(engine: LLMEngine, prompt: list[int], params: SamplingParams):
     """(token ids, their logprobs, the prompt's logprobs, cached tokens) of one request."""
-    req = engine.add_request(None, prompt, params)
+    req = engine.add_request(EngineRequest(prompt, params))
     tokens, logprobs, prompt_logprobs, cached = [], [], None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -1,14 +1,15 @@
-"""A request that replays the tokens another produced (SamplingParams.replay_ids) goes on
+"""A request that replays the tokens another produced (EngineRequest.replay_ids) goes on
 exactly as that one would have: each replayed token is fed back by a decode step, as it
 was first decoded, so the K/V, the sampler's random stream and the detokenizer all end
 where an uninterrupted run's did. How a turn resumed after a restart keeps its reply (a
-prefill of the same tokens rounds differently in bf16; README, "Determinism", has how
+prefill of the same tokens rounds differently in bf16; docs/determinism.md has how
 closely replay holds there)."""
 
 import pytest
 
 from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter
 from app.engine.request import SamplingParams
 from tests.engine.util import run
@@ -20,12 +21,10 @@ def test_a_seeded_reply_replayed_goes_on_as_the_first(tokenizer, cut):
     engine = tiny_engine(tokenizer)
     prompt = tokenizer.encode("Once upon a time", add_special_tokens=False)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True)
-    engine.add_request("whole", prompt, params)
+    engine.add_request(EngineRequest(prompt, params, "whole"))
     whole = run(engine)["whole"]
 
-    replay = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True,
-                            replay_ids=tuple(whole.token_ids[:cut]))  # fmt: skip
-    engine.add_request("rest", prompt, replay)
+    engine.add_request(EngineRequest(prompt, params, "rest", replay_ids=whole.token_ids[:cut]))
     rest = run(engine)["rest"]
     # Outputs start after the replayed tokens; the text goes on where it was cut.
     assert rest.token_ids == whole.token_ids[cut:]
@@ -39,35 +38,34 @@ def test_replayed_tokens_replace_what_the_sampler_picks(tokenizer):
     prompt = tokenizer.encode("The sea", add_special_tokens=False)
     forced = tuple(tokenizer.encode(" purple elephants", add_special_tokens=False))
     greedy = SamplingParams(temperature=0, max_tokens=len(forced) + 6, ignore_eos=True)
-    engine.add_request("free", prompt, greedy)
-    engine.add_request("replay", prompt, SamplingParams(
-        temperature=0, max_tokens=len(forced) + 6, ignore_eos=True, replay_ids=forced))  # fmt: skip
+    engine.add_request(EngineRequest(prompt, greedy, "free"))
+    engine.add_request(EngineRequest(prompt, greedy, "replay", replay_ids=forced))
     out = run(engine)
     assert out["free"].token_ids[: len(forced)] != list(forced)
-    engine.add_request("prefilled", prompt + list(forced), SamplingParams(
-        temperature=0, max_tokens=6, ignore_eos=True))  # fmt: skip
+    engine.add_request(EngineRequest(prompt + list(forced), SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), "prefilled"))  # fmt: skip
     assert out["replay"].token_ids == run(engine)["prefilled"].token_ids  # fp32: same
 
 
 @pytest.mark.parametrize(
-    "params, name",
+    "replay_ids, params",
     [
-        (dict(replay_ids=(1, -2)), "replay_ids"),
-        (dict(replay_ids=(1, 2), n=2), "replay_ids"),
-        (dict(replay_ids=(1, 2), logprobs=1), "replay_ids"),
-        (dict(replay_ids=(1, 2), max_tokens=2), "replay_ids"),
+        ((1, -2), {}),
+        ((1, 2), dict(n=2)),
+        ((1, 2), dict(logprobs=1)),
+        ((1, 2), dict(max_tokens=2)),
     ],
 )
-def test_replay_ids_are_validated(params, name):
+def test_replay_ids_are_validated(replay_ids, params):
     with pytest.raises(BadParameter) as bad:
-        SamplingParams(**params)
-    assert bad.value.name == name
+        EngineRequest([5], SamplingParams(**params), replay_ids=replay_ids)
+    assert bad.value.name == "replay_ids"
 
 
 def test_replay_ids_outside_the_vocabulary_are_refused(tokenizer):
     engine = tiny_engine(tokenizer)
     with pytest.raises(BadParameter, match="replay_ids"):
-        engine.add_request("x", [1, 2], SamplingParams(replay_ids=(10**7,)))
+        engine.add_request(EngineRequest([1, 2], SamplingParams(), "x", replay_ids=(10**7,)))
     assert not engine.has_unfinished_requests()
 
 
@@ -84,12 +82,11 @@ def test_replay_is_exact_on_the_default_format(smollm):
     ]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i, prompt in enumerate(ids):
-        engine.add_request(f"whole{i}", prompt, params)
+        engine.add_request(EngineRequest(prompt, params, f"whole{i}"))
     whole = run(engine)
     for i, prompt in enumerate(ids):
         cut = whole[f"whole{i}"].token_ids[: 11 + 13 * i]
-        engine.add_request(f"rest{i}", prompt, SamplingParams(
-            temperature=0, max_tokens=40, ignore_eos=True, replay_ids=tuple(cut)))  # fmt: skip
+        engine.add_request(EngineRequest(prompt, params, f"rest{i}", replay_ids=cut))
     rest = run(engine)
     for i in range(len(ids)):
         assert rest[f"rest{i}"].token_ids == whole[f"whole{i}"].token_ids[11 + 13 * i :]

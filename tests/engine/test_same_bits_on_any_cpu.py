@@ -71,6 +71,7 @@ def test_no_onednn_primitive_runs_while_the_default_format_serves(smollm):
         import sys
         from app.config import CacheConfig, EngineConfig, ModelConfig
         from app.engine.engine import LLMEngine
+        from app.engine.engine_request import EngineRequest
         from app.engine.request import SamplingParams
 
         engine = LLMEngine(EngineConfig(ModelConfig(), CacheConfig(64 << 20)))
@@ -78,7 +79,7 @@ def test_no_onednn_primitive_runs_while_the_default_format_serves(smollm):
         print("SERVING", flush=True)
         params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=1)
         for i, text in enumerate(("The lighthouse keeper", "Once upon a time, far away")):
-            engine.add_request(f"r{i}", text, params)
+            engine.add_request(EngineRequest(text, params, f"r{i}"))
         while engine.has_unfinished_requests():
             engine.step()
         print("DONE", flush=True)

@@ -5,7 +5,7 @@ from app.config import SchedulerConfig
 from app.engine.block_pool import BlockPool
 from app.engine.kv_manager import KVCacheManager
 from app.engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from app.engine.scheduler import Scheduler, SchedulerOutput
+from app.engine.scheduler import Accepted, Scheduler, SchedulerOutput
 
 BS = 4  # tokens per block
 
@@ -30,9 +30,9 @@ def step(s: Scheduler) -> SchedulerOutput:
     for item in out.scheduled:
         req = item.request
         if item.samples:
-            req.append_output_token(7)
-            if req.num_output_tokens >= req.max_tokens:
-                s.finish(req, FinishReason.LENGTH)
+            reason = s.accept(req, 7).reason  # the scheduler's own token-level stops
+            if reason is not None:
+                s.finish(req, reason)
     return out
 
 
@@ -116,3 +116,21 @@ def test_a_prefix_hit_is_skipped_and_counted_once():
     out = step(s)
     assert plan(out) == [("b", 12, 2)]
     assert s.stats.prefix_queries == 26 and s.stats.prefix_hits == 12
+
+
+def test_token_level_stops_are_the_schedulers():
+    s = make()
+    req = Request("r", [1, 2, 3], SamplingParams(stop_token_ids=(9,)), 3)
+    assert s.accept(req, 7) == Accepted(7, False, None)
+    assert s.accept(req, 9).reason is FinishReason.STOP  # a stop token
+    req = Request("r", [1, 2, 3], SamplingParams(), 2)
+    s.accept(req, 7)
+    assert s.accept(req, 7).reason is FinishReason.LENGTH  # max_tokens
+    s.max_model_len = 5
+    req = Request("r", [1, 2, 3], SamplingParams(), 10)
+    assert s.accept(req, 7).reason is None
+    assert s.accept(req, 7).reason is FinishReason.LENGTH  # the context is full
+    req = Request("r", [1, 2], SamplingParams(), 4)
+    req.replay_ids = (5, 6)
+    assert s.accept(req, 7) == Accepted(5, True, None)  # the replayed token, not the sampled
+    assert req.output_token_ids == [5]

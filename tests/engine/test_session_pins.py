@@ -2,6 +2,7 @@
 
 import random
 
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from tests.engine.util import all_free, run
 from tests.tiny import tiny_engine
@@ -15,13 +16,13 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def turn(engine, rid, prompt, session="s", params=PARAMS):
-    engine.add_request(rid, prompt, params, session_id=session)
+    engine.add_request(EngineRequest(prompt, params, rid, session_id=session))
     return run(engine)[rid]
 
 
 def uncached(tokenizer, prompt, params=PARAMS):
     engine = tiny_engine(tokenizer, prefix_caching=False)
-    engine.add_request("x", prompt, params)
+    engine.add_request(EngineRequest(prompt, params, "x"))
     return run(engine)["x"].token_ids
 
 
@@ -58,7 +59,7 @@ def test_cancelled_turn_pins_what_it_computed(tokenizer):
     engine = tiny_engine(tokenizer)
     prompt = tokens(40, 0)
     params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-    engine.add_request("a", prompt, params, session_id="s")
+    engine.add_request(EngineRequest(prompt, params, "a", session_id="s"))
 
     def cancel_at_step_6(i):
         if i == 6:
@@ -90,8 +91,8 @@ def test_pressure_unpins_oldest_idle_sessions_first(tokenizer):
     assert engine.stats().sessions_pinned == 9
     # Two big requests need ~24 blocks: the oldest sessions go, in order.
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    engine.add_request("big1", tokens(120, 100), params)
-    engine.add_request("big2", tokens(120, 101), params)
+    engine.add_request(EngineRequest(tokens(120, 100), params, "big1"))
+    engine.add_request(EngineRequest(tokens(120, 101), params, "big2"))
     res = run(engine)
     assert res["big1"].finish_reason == res["big2"].finish_reason == "length"
     left = [f"s{i}" for i in range(9) if f"s{i}" in engine.kv.pins]
@@ -106,9 +107,11 @@ def test_a_queued_turn_keeps_its_pin_longer_than_idle_sessions(tokenizer):
     r = turn(engine, "t0", history, session="queued")  # older pin: 4 blocks
     turn(engine, "i0", tokens(40, 1), session="idle")  # newer pin: 4 blocks
     params = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True)
-    engine.add_request("hog", tokens(60, 5), params)  # 13 blocks: one pin must go
+    engine.add_request(EngineRequest(tokens(60, 5), params, "hog"))  # 13 blocks: one pin must go
     follow_up = history + r.token_ids + tokens(5, 1)
-    engine.add_request("t1", follow_up, PARAMS, session_id="queued")  # waits behind hog
+    engine.add_request(
+        EngineRequest(follow_up, PARAMS, "t1", session_id="queued")
+    )  # waits behind hog
     res = run(engine)
     assert "idle" not in engine.kv.pins  # the newer but idle session lost its pin
     assert res["t1"].cached_tokens == len(history) + len(r.token_ids) - 1
@@ -119,8 +122,12 @@ def test_pins_never_deadlock_the_queue(tokenizer):
     history = tokens(40, 0)
     r = turn(engine, "t0", history, session="queued")
     params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
-    engine.add_request("hog", tokens(60, 5), params)  # needs all 20 blocks at the end
-    engine.add_request("t1", history + r.token_ids + tokens(5, 1), PARAMS, session_id="queued")
+    engine.add_request(
+        EngineRequest(tokens(60, 5), params, "hog")
+    )  # needs all 20 blocks at the end
+    engine.add_request(
+        EngineRequest(history + r.token_ids + tokens(5, 1), PARAMS, "t1", session_id="queued")
+    )
     res = run(engine, max_steps=2000)
     assert res["hog"].finish_reason == res["t1"].finish_reason == "length"
     assert res["t1"].token_ids == uncached(tokenizer, history + r.token_ids + tokens(5, 1))

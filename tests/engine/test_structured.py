@@ -8,6 +8,7 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import BadParameter
 from app.engine.request import ResponseFormat, SamplingParams
 from tests.tiny import tiny_engine
@@ -51,8 +52,10 @@ def texts(engine) -> dict[tuple[str, int], tuple[str, str]]:
 def test_constrained_and_free_requests_share_a_step(tokenizer, temperature):
     engine = tiny_engine(tokenizer)
     params = SamplingParams(temperature=temperature, seed=1, max_tokens=120, n=2)
-    engine.add_request("json", list(range(200, 230)), replace(params, response_format=fmt()))
-    engine.add_request("free", list(range(200, 230)), params)
+    engine.add_request(
+        EngineRequest(list(range(200, 230)), replace(params, response_format=fmt()), "json")
+    )
+    engine.add_request(EngineRequest(list(range(200, 230)), params, "free"))
     got = texts(engine)
     for i in range(2):
         text, reason = got[("json", i)]
@@ -66,7 +69,7 @@ def test_constrained_and_free_requests_share_a_step(tokenizer, temperature):
 def test_json_object_gives_an_object(tokenizer):
     engine = tiny_engine(tokenizer)
     p = SamplingParams(temperature=0, max_tokens=40, response_format=ResponseFormat("json_object"))
-    engine.add_request("o", list(range(300, 320)), p)
+    engine.add_request(EngineRequest(list(range(300, 320)), p, "o"))
     text, reason = texts(engine)[("o", 0)]
     assert text.startswith("{")
     if reason == "stop":  # a random model may wander in a free string until max_tokens
@@ -80,7 +83,7 @@ def test_json_object_gives_an_object(tokenizer):
 def test_a_schema_the_library_rejects_is_a_bad_parameter(tokenizer, schema):
     engine = tiny_engine(tokenizer)
     with pytest.raises(BadParameter) as err:
-        engine.make_request([1, 2, 3], SamplingParams(response_format=ResponseFormat(
-            "json_schema", schema)))  # fmt: skip
+        engine.make_request(EngineRequest([1, 2, 3], SamplingParams(response_format=ResponseFormat(
+            "json_schema", schema))))  # fmt: skip
     assert err.value.name == "response_format"
     assert "response_format" in str(err.value)

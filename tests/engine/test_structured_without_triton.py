@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent(
 
     sys.meta_path.insert(0, NoTriton())
     from app.config import ModelConfig
+    from app.engine.engine_request import EngineRequest
     from app.engine.request import ResponseFormat, SamplingParams
     from app.model.loader import load_model
     from tests.tiny import tiny_engine
@@ -31,8 +32,8 @@ SCRIPT = textwrap.dedent(
               "additionalProperties": False}
     engine = tiny_engine(load_model(ModelConfig()).tokenizer)
     fmt = ResponseFormat("json_schema", json.dumps(schema))
-    engine.add_request("j", list(range(200, 230)),
-                       SamplingParams(temperature=1.0, seed=3, max_tokens=60, response_format=fmt))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=60, response_format=fmt)
+    engine.add_request(EngineRequest(list(range(200, 230)), params, "j"))
     text = ""
     while engine.has_unfinished_requests():
         for out in engine.step():

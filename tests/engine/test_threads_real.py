@@ -15,6 +15,7 @@ import torch
 
 from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.engine.threads import ProcMachine
 
@@ -24,7 +25,7 @@ TWO_CORES = len(os.sched_getaffinity(0)) >= 2
 def _reply(engine: LLMEngine, prompt: list[int], counts=None) -> tuple[list[int], list[float]]:
     """Greedy reply with logprobs; `counts` (an iterator) sets the thread count of each step."""
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True)
-    engine.add_request("r", prompt, params)
+    engine.add_request(EngineRequest(prompt, params, "r"))
     tokens, logprobs = [], []
     while engine.has_unfinished_requests():
         if counts is not None:
@@ -91,7 +92,7 @@ def test_a_busy_neighbour_takes_the_count_down_and_its_leaving_brings_it_back(sm
     if idle_cores() < ceiling - 0.5:  # other work already holds a core: nothing to free
         pytest.skip("the machine is not quiet: a neighbour's leaving frees nothing here")
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-    engine.add_request("r", tokenizer.encode("Once upon a time"), params)
+    engine.add_request(EngineRequest(tokenizer.encode("Once upon a time"), params, "r"))
     torch.set_num_threads(ceiling)
 
     def steps_until(done, limit: int) -> bool:

@@ -7,6 +7,7 @@ import pytest
 
 import tests.tiny
 from app.engine.request import SamplingParams
+from app.model.attention_backends import FlexBackend, SdpaBackend
 from tests.engine.test_async_engine import *  # noqa: F403
 from tests.engine.test_engine import *  # noqa: F403
 from tests.engine.test_engine import generate, prompts
@@ -23,7 +24,8 @@ def test_the_engine_really_runs_on_cuda(tokenizer):
     engine = tests.tiny.tiny_engine(tokenizer)
     assert engine.kv_cache.tensor.device.type == "cuda"
     assert engine.model.embed_tokens.weight.device.type == "cuda"
-    assert engine.runner.flex is not None, "FlexAttention decode did not compile here"
+    attention = engine.runner.attention
+    assert isinstance(attention, FlexBackend), "FlexAttention decode did not compile here"
     assert engine.runner.graphs is not None
 
 
@@ -37,6 +39,7 @@ def test_graphs_and_flex_give_the_eager_gathered_tokens(tokenizer, monkeypatch):
     assert len(engine.runner.graphs.graphs) >= 3  # several buckets were captured
     eager = tests.tiny.tiny_engine(tokenizer)
     eager.runner.graphs = None
-    eager.runner.flex = None  # the CPU's gather + SDPA path, on the GPU
+    a = eager.runner.attention  # the CPU's gather + SDPA path, on the GPU
+    eager.runner.attention = SdpaBackend(a.block_size, a.query_groups, a.dtype)
     want = generate(eager, ps, params, stagger=2)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]

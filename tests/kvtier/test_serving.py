@@ -11,6 +11,7 @@ from websockets.sync.client import connect
 from app.config import CacheConfig, EngineConfig, ModelConfig, TierConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.server.app import create_app
 from tests.e2e.live_server import live_server
@@ -37,14 +38,14 @@ def _second_turn(smollm, model: ModelConfig, via_tier: bool) -> list[int]:
     engine = LLMEngine(config, smollm)  # the default cost model: it must choose to load
     try:
         history = smollm.tokenizer.encode(ESSAY[:1500])
-        engine.add_request("t1", history, GREEDY, session_id="s")
+        engine.add_request(EngineRequest(history, GREEDY, "t1", session_id="s"))
         reply = run(engine)["t1"].token_ids
         history += reply + smollm.tokenizer.encode(" In short,")
         engine.offload.flush()
         engine.release_session("s")  # the pin is gone; the full blocks stay in the pool
         if via_tier:
             forget_pool(engine)  # and now only the tier has them
-        engine.add_request("t2", history, GREEDY, session_id="s")
+        engine.add_request(EngineRequest(history, GREEDY, "t2", session_id="s"))
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()
@@ -53,7 +54,9 @@ def _second_turn(smollm, model: ModelConfig, via_tier: bool) -> list[int]:
         assert outputs[-1].tier_cached_tokens == (cached if via_tier else 0)
         second = [t for o in outputs for t in o.new_token_ids]
         if via_tier and model.dtype == "float32":
-            engine.add(engine.make_request(history, GREEDY, "t3", use_prefix_cache=False))
+            engine.add(
+                engine.make_request(EngineRequest(history, GREEDY, "t3", use_prefix_cache=False))
+            )
             assert run(engine)["t3"].token_ids == second  # fp32: restored = recomputed
         return second
     finally:
@@ -66,7 +69,7 @@ def test_fp32_reply_after_a_tier_restore_equals_the_recomputed_reply(smollm):
 
 def test_default_format_reply_after_a_tier_restore_equals_the_pool_hit_reply(smollm):
     """With bf16 activations a recomputed history rounds differently from one decoded
-    token by token (README, "Determinism"); what a restore must give is what the pool
+    token by token (docs/determinism.md); what a restore must give is what the pool
     would have: the same K/V, bit for bit."""
     restored = _second_turn(smollm, ModelConfig(), via_tier=True)
     assert restored == _second_turn(smollm, ModelConfig(), via_tier=False)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from app.config import ModelConfig
+from app.engine.engine_request import EngineRequest
 from app.model import cpu, kernels
 from app.model.attention import AttentionMetadata, _decode, additive_mask
 from app.model.build import WeightFormat, _use_cpu_kernels
@@ -338,7 +339,7 @@ def test_the_layer_stack_in_one_call_equals_layer_by_layer(smollm, monkeypatch):
 
         monkeypatch.setattr(type(engine.model.ops), "decode_layers", spy)
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params)
+            engine.add_request(EngineRequest(p, params, f"r{i}"))
         got: dict[str, list] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -6,6 +6,7 @@ import torch
 
 from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model.loader import load_model
 from tests.engine.util import run
@@ -90,13 +91,15 @@ def test_logits_and_greedy_equal_transformers(hf_folder):
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
 
-    engine.add_request("g", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.add_request(
+        EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "g")
+    )
     got = run(engine)["g"].token_ids
     assert got == ref_tokens
 
     # Logits of the whole prompt in one step, straight from the model.
     whole = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_bytes=16 << 20)), loaded)
-    whole.add_request("l", prompt, SamplingParams(temperature=0, max_tokens=1))
+    whole.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=1), "l"))
     inp = whole.runner.prepare(whole.scheduler.schedule())
     assert inp.input_ids.numel() == len(prompt)
     with torch.no_grad():

@@ -7,6 +7,7 @@ import torch
 
 from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model.registry import default_model_path
 from tests.engine.util import run
@@ -89,7 +90,7 @@ def engine_for(smollm, **cache) -> LLMEngine:
 def test_prefill_logits_match_transformers(smollm, hf_model, prompts):
     engine = engine_for(smollm, kv_cache_bytes=256 << 20)
     for p in prompts:
-        engine.add_request("p", p, SamplingParams(temperature=0, max_tokens=1))
+        engine.add_request(EngineRequest(p, SamplingParams(temperature=0, max_tokens=1), "p"))
         sched = engine.scheduler.schedule()
         inp = engine.runner.prepare(sched)
         with torch.no_grad():
@@ -125,7 +126,7 @@ def test_greedy_alone_equals_hf_generate(smollm, hf_model, prompts, hf_greedy):
     engine = engine_for(smollm, kv_cache_bytes=256 << 20, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     for p, ref in zip(prompts, hf_greedy):
-        engine.add_request("alone", p, params)
+        engine.add_request(EngineRequest(p, params, "alone"))
         got = run(engine)["alone"]
         assert_same_greedy(hf_model, p, got.token_ids, ref)
 
@@ -140,7 +141,7 @@ def test_greedy_together_staggered_equals_hf_generate(smollm, hf_model, prompts,
     def arrive(step):
         for i, p in enumerate(prompts):
             if step == 2 * i:
-                engine.add_request(f"r{i}", p, params)
+                engine.add_request(EngineRequest(p, params, f"r{i}"))
 
     res = run(engine, before_step=arrive)
     for i, (p, ref) in enumerate(zip(prompts, hf_greedy)):

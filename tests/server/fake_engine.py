@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from app.engine.engine_request import EngineRequest
 from app.engine.errors import ContextTooLong, EngineDead
 from app.engine.logprobs import Logprob
 from app.engine.outputs import EngineStats, ModelInfo, RequestOutput
@@ -69,25 +70,17 @@ class FakeEngine:
             steps=0,
         )
 
-    async def generate(
-        self,
-        prompt,
-        params: SamplingParams,
-        request_id=None,
-        session_id=None,
-        use_prefix_cache=True,
-        cache_salt=None,
-        routing_key=None,
-    ):
+    async def generate(self, asked: EngineRequest):
+        prompt, params, request_id = asked.prompt, asked.params, asked.request_id
         if not self.running:
             raise EngineDead("the engine is not running")
         limit = self.info.max_model_len
         if len(prompt) >= limit:
             raise ContextTooLong("the prompt is too long for the context", len(prompt), limit)
         self.live.add(request_id)
-        self.salts[request_id] = cache_salt
-        self.sessions[request_id] = session_id
-        self.prefix_cache[request_id] = use_prefix_cache
+        self.salts[request_id] = asked.cache_salt
+        self.sessions[request_id] = asked.session_id
+        self.prefix_cache[request_id] = asked.use_prefix_cache
         self.prompts[request_id] = list(prompt)
         self.params[request_id] = params
         words = (self.reply or f"reply to {len(prompt)} tokens").split(" ")

@@ -26,7 +26,7 @@ from tests.server.testclient import for_testclient
 PARAMS = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
 
 
-# A recovered turn replays its recorded tokens (app.engine.request.REPLAY_MAX_TOKENS): this
+# A recovered turn replays its recorded tokens (app.engine.continuation.REPLAY_MAX_TOKENS): this
 # one turn goes on to the token on the default format. Past that bound it recomputes them
 # in one prefill, exact in fp32 only: that path runs the fp32 reference.
 DEFAULT = ModelConfig()
@@ -37,7 +37,7 @@ EXACT = ModelConfig(quantization="none", dtype="float32")
 def model(request, monkeypatch):
     """How a recovered turn takes up its output, and the format where that is exact."""
     if request.param == "prefill":
-        monkeypatch.setattr("app.engine.request.REPLAY_MAX_TOKENS", 0)
+        monkeypatch.setattr("app.engine.continuation.REPLAY_MAX_TOKENS", 0)
         return EXACT
     return DEFAULT
 

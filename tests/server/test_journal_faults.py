@@ -247,9 +247,9 @@ class StallingEngine(FakeEngine):
         super().__init__(tokenizer, delay=0.02, reply=" ".join(f"w{i}" for i in range(40)))
         self.after, self.stall_s = after, stall_s
 
-    async def generate(self, prompt, params, request_id=None, *args, **kwargs):
+    async def generate(self, asked):
         n = 0
-        async for out in super().generate(prompt, params, request_id, *args, **kwargs):
+        async for out in super().generate(asked):
             n += 1
             if n == self.after:
                 time.sleep(self.stall_s)
@@ -264,8 +264,8 @@ class StallingAtTheEnd(FakeEngine):
         super().__init__(tokenizer, delay=0.02, reply=" ".join(f"w{i}" for i in range(10)))
         self.stall_s = stall_s
 
-    async def generate(self, prompt, params, request_id=None, *args, **kwargs):
-        async for out in super().generate(prompt, params, request_id, *args, **kwargs):
+    async def generate(self, asked):
+        async for out in super().generate(asked):
             if not out.finished:
                 yield out
                 continue

@@ -88,13 +88,13 @@ def test_ignored_fields_are_accepted(client):
     assert complete(client, user="u1", best_of=2, n=2).status_code == 200
 
 
-def test_the_readme_table_lists_every_field():
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    text = readme.read_text()
-    section = text[text.index("### Request fields") :]
+def test_the_docs_table_lists_every_field():
+    doc = Path(__file__).resolve().parents[2] / "docs" / "openai_api.md"
+    text = doc.read_text()
+    section = text[text.index("## Request fields") :]
     rows = dict(re.findall(r"^\| `(\w+)` \| (.*?) \|", section, flags=re.M))
     for name in {**CHAT_FIELDS, **COMPLETION_FIELDS}:
-        assert name in rows, f"README's field table misses {name}"
+        assert name in rows, f"docs/openai_api.md's field table misses {name}"
 
 
 def test_n_choices_non_streaming_and_streaming(client, fake):
@@ -183,7 +183,15 @@ def test_tools_render_and_calls_parse_where_the_template_has_tools(tool_client, 
     assert "get_weather" in tokenizer.decode(prompt)
     events = stream(tool_client, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER]})
     calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    # The call's id and name first, then its arguments as deltas that add up to them.
+    assert [c["function"]["name"] for c in calls if "name" in c["function"]] == ["get_weather"]
+    assert calls[0]["id"] and calls[0]["function"]["arguments"] == ""
+    args = "".join(c["function"]["arguments"] for c in calls)
+    assert json.loads(args) == {"city": "Paris"} and len(calls) > 2
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == "Sure."
+    reasons = [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]]
+    assert reasons == ["tool_calls"]
     # A follow-up with the call and its result goes through the template.
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [call]},

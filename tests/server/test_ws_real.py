@@ -10,6 +10,7 @@ from starlette.testclient import TestClient
 from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model.build import choose_format
 from app.server.app import create_app
@@ -25,9 +26,9 @@ class Recording(AsyncEngine):
         super().__init__(engine)
         self.prompts: list[list[int]] = []
 
-    async def generate(self, prompt, params=None, request_id=None, session_id=None, **kw):
-        self.prompts.append(list(prompt))
-        async for out in super().generate(prompt, params, request_id, session_id, **kw):
+    async def generate(self, asked):
+        self.prompts.append(list(asked.prompt))
+        async for out in super().generate(asked):
             yield out
 
 
@@ -43,7 +44,9 @@ def uncached(smollm):
     )
 
     def reply(prompt, max_tokens):
-        engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+        engine.add_request(
+            EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), "x")
+        )
         return run(engine)["x"].text
 
     return reply

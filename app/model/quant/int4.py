@@ -235,6 +235,21 @@ class Int4Linear(nn.Module):
 LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
 
+def decode_layers_weights(model: LlamaModel) -> list[torch.Tensor]:
+    """What Parley's decode_layers reads (FusedCpuOps): every layer's int4 (codes, d, m)
+    on Parley's q4_matmul for qkv, o_proj, gate_up and down, then its two norms' weights;
+    empty unless every linear is such, without a bias."""
+    out: list[torch.Tensor] = []
+    for layer in model.layers:
+        for name in LINEARS:  # qkv, o_proj, gate_up, down: the order decode_layers reads
+            lin = getattr(layer, name)
+            if not isinstance(lin, Int4Linear) or lin.kernel != "parley" or lin.bias is not None:
+                return []
+            out += [lin.codes, lin.d, lin.m]
+        out += [layer.input_norm.weight, layer.post_norm.weight]
+    return out
+
+
 def _parts(arch: ArchConfig) -> dict[str, list[tuple[str, int]]]:
     """Our fused linears as stacks of Hugging Face ones: (name, rows) from the top."""
     return {

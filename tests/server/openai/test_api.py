@@ -99,7 +99,7 @@ def test_seed_repeats(client):
 
     # From the same cache state: the first call leaves the prompt in the prefix cache. (With
     # bf16 activations a prompt computed whole and one computed from a cached prefix round
-    # differently, and a sampled reply may part at a near tie: README, "Determinism".)
+    # differently, and a sampled reply may part at a near tie: docs/determinism.md.)
     sample(42)
     assert sample(42) == sample(42)
     assert len({sample(42), sample(1), sample(2), sample(3)}) > 1
