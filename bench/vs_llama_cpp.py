@@ -263,6 +263,35 @@ def table(r: dict, cpu: str, parley_flags: str, llama_flags: str) -> str:
     return "\n".join(lines)
 
 
+def parley_only(args: argparse.Namespace) -> None:
+    """Parley's side of the comparison alone (no ratio: llama-server's side is missing)."""
+    if args.quick:
+        args.repeats, args.tokens = 1, 48
+    model_flags = ["--model", args.gguf] if args.gguf else []
+    port = free_port()
+    cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning",
+           *model_flags, *args.parley_flags.split()]  # fmt: skip
+    servers = [Server("parley", cmd, port)]
+    t = args.tokens
+    try:
+        results = {
+            "one": asyncio.run(scenario(servers, "one", lambda c, m, run: concurrent(c, m, 1, t),
+                                        args.repeats)),
+            "c32": asyncio.run(scenario(servers, "c32",
+                                        lambda c, m, run: concurrent(c, m, 32, t), args.repeats)),
+        }  # fmt: skip
+        results["rss"] = {"parley": peak_rss_mib(servers[0].proc.pid)}
+    finally:
+        servers[0].stop()
+    one, c32 = results["one"]["parley"], results["c32"]["parley"]
+    print(
+        f"Parley `python -m app {' '.join(model_flags)} {args.parley_flags}` on {cpu_flags()}, "
+        f"{os.cpu_count()} cores: one stream {one['decode_tok_s']:.1f} tok/s decode "
+        f"(TTFT {one['ttft_s']:.2f} s); 32 concurrent {c32['tok_s']:.1f} tok/s aggregate; "
+        f"peak RSS {results['rss']['parley']:.0f} MiB"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
@@ -273,7 +302,15 @@ def main() -> None:
     ap.add_argument("--parley-flags", default="", help="extra flags for python -m app")
     ap.add_argument("--write", action="store_true", help="put the table into bench/README.md")
     ap.add_argument("--out", default="bench/results/vs_llama_cpp.json")
+    ap.add_argument(
+        "--parley-only",
+        action="store_true",
+        help="where llama-server is not built: Parley's one stream, 32 concurrent and peak RSS",
+    )
     args = ap.parse_args()
+    if args.parley_only:
+        parley_only(args)
+        return
     if not args.llama_server or not Path(args.llama_server).exists():
         sys.exit(
             "llama-server not found: pass --llama-server PATH or set LLAMA_SERVER. Build it "

@@ -31,6 +31,13 @@ class ArchConfig:
     attention_bias: bool = False
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
+    # Families beyond Llama's (app/model/families): RMSNorm of each head's q and k before
+    # the rotary (qwen3, gemma3); local attention over the last `local_window` positions
+    # in every layer but each `global_every`-th, with its own rotary base (gemma3).
+    qk_norm: bool = False
+    local_window: int | None = None
+    global_every: int = 0
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -50,6 +57,13 @@ class ArchConfig:
                     f"rope frequency factors: {self.head_dim // 2} positive numbers expected, "
                     f"got {len(factors)}"
                 )
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions back layer `layer` attends (None: all of them)."""
+        every = self.global_every
+        if self.local_window is None or (every and (layer + 1) % every == 0):
+            return None
+        return self.local_window
 
     @property
     def q_size(self) -> int:
@@ -75,6 +89,7 @@ class ArchConfig:
     def from_hf_config(cls, c: dict[str, Any]) -> ArchConfig:
         """From the fields of a transformers config.json."""
         model_type = c.get("model_type", "")
+        model_type = {"gemma3_text": "gemma3"}.get(model_type, model_type)
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {model_type!r}; "
@@ -92,6 +107,9 @@ class ArchConfig:
             rope_scaling = dict(rope_scaling)
             rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
         window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+        if c.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("a partial rotary (partial_rotary_factor < 1) is not supported")
+        gemma = model_type == "gemma3"
         return cls(
             architecture=model_type,
             vocab_size=c["vocab_size"],
@@ -107,5 +125,9 @@ class ArchConfig:
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             attention_bias=c.get("attention_bias", model_type == "qwen2"),
             rope_scaling=rope_scaling,
-            sliding_window=window,
+            sliding_window=None if gemma else window,
+            qk_norm=model_type in ("qwen3", "gemma3"),
+            local_window=window if gemma else None,
+            global_every=c.get("sliding_window_pattern", 6) if gemma else 0,
+            rope_local_theta=c.get("rope_local_base_freq", 10000.0) if gemma else None,
         )

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from app.config import ModelConfig
 from app.model import cpu, kernels
+from app.model.families import model_class
 from app.model.llama import FusedCpuOps, LlamaModel
 from app.model.loader import LoadedModel, read_tensors, write_cache_dir
 from app.model.quant.int4 import (
@@ -42,15 +43,27 @@ from app.model.quant.int8 import (
     quantize_model,
     quantized_state_dict,
 )
+from app.model.quant.kquants import (
+    GROUP_TYPES,
+    GroupEmbedding,
+    GroupLinear,
+    GroupWeight,
+    group_matmul_available,
+)
 from app.model.quant.q8_0 import BlockLinear, Q8Embedding, Q8Weight, block_matmul_available
 
 log = logging.getLogger(__name__)
 
-# Bump when the stored layout changes (v2: Q8_0 embedding, LM head; v3: scale and offset).
-INT4_FORMAT = "int4-v3"
+# Bump when the stored layout changes (v2: Q8_0 embedding, LM head; v3: scale and offset;
+# v4: GGUF's other block formats as stored).
+INT4_FORMAT = "int4-v4"
 # Tensors served from their Q8_0 bytes where the GGUF stores them so (app.model.quant.q8_0).
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+LM_HEAD_OURS = "lm_head.weight"  # the same name in our layout (app.model.loader.fuse_weights)
 NATIVE_4BIT = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 kernel runs as they are
+# GGUF types served as stored, whatever their bits: NATIVE_4BIT on q4_matmul, the others
+# (K-quants, Q5_0/Q5_1, Q8_0) as int8 codes with fp32 group scales on group_matmul.
+AS_STORED = GROUP_TYPES
 EXACT_REFERENCE = "--quantization none --dtype float32"
 
 
@@ -90,9 +103,12 @@ def choose_format(cfg: ModelConfig, loaded: LoadedModel, device: str) -> WeightF
     quantization, dtype, why = cfg.quantization, cfg.dtype, []
     if quantization == "auto":
         stored = loaded.linear_types()
-        if on_cpu and int4_available() and stored and stored <= NATIVE_4BIT:
+        if on_cpu and int4_available() and stored and stored <= AS_STORED:
             quantization = "int4"
-            why.append(f"the checkpoint's linear weights are {'/'.join(sorted(stored))}: int4")
+            why.append(
+                f"the checkpoint's linear weights are {'/'.join(sorted(stored))}: "
+                "int4, each type as stored"
+            )
         elif not on_cpu:
             quantization = "none"
             why.append(f"weights as loaded: the int4/int8 kernels here are CPU ones, not {device}")
@@ -148,20 +164,27 @@ def build_model(
         kernel = "parley" if no_kernels is None else "aten"
         model, q8 = _int4_model(loaded, cfg.cache_dir, fmt.torch_dtype, max_positions, kernel)
         log.info("int4 linears on %s", _int4_kernel_name(kernel))
+        log.info("linear weights by stored type: %s", _kernels_by_type(loaded, kernel))
     else:
         weights = {k: v.to(fmt.torch_dtype) for k, v in loaded.weights.items()}  # no copy if equal
-        model = LlamaModel.from_weights(loaded.arch, weights, max_positions).to(device)
+        decoder = model_class(loaded.arch)
+        model = decoder.from_weights(loaded.arch, weights, max_positions).to(device)
         if torch.device(device).type == "cpu":
             model.pack_for_cpu()
     if on_cpu:
         _use_cpu_kernels(model, cfg, fmt)
     if fmt.quantization == "int4":
-        _int4_head(model, q8, fmt.torch_dtype, kernel=model.ops.fused)
+        head = None if loaded.arch.tie_word_embeddings else loaded.weights.get(LM_HEAD_OURS)
+        _int4_head(model, q8, fmt.torch_dtype, kernel=model.ops.fused, float_head=head)
     return BuiltModel(model, fmt, weight_bytes(model))
 
 
 def _int4_head(
-    model: LlamaModel, q8: dict[str, Q8Weight], dtype: torch.dtype, kernel: bool
+    model: LlamaModel,
+    q8: dict[str, Q8Weight | GroupWeight],
+    dtype: torch.dtype,
+    kernel: bool,
+    float_head: torch.Tensor | None = None,
 ) -> None:
     """The int4 model's embedding and LM head: from the checkpoint's Q8_0 bytes where it
     has them (app.model.quant.q8_0), and the LM head on Parley's block_matmul wherever the
@@ -170,19 +193,34 @@ def _int4_head(
     serve this model (--cpu-kernels)."""
     embedding = q8.get(EMBEDDING)
     head = embedding if model.arch.tie_word_embeddings else q8.get(LM_HEAD)
-    kernel = kernel and block_matmul_available()
+    kernel = kernel and block_matmul_available() and group_matmul_available()
     if kernel:
-        model.packed_lm_head = BlockLinear(head if head is not None else model.lm_head_weight)
+        if isinstance(head, GroupWeight):
+            model.packed_lm_head = GroupLinear(head, fp32_out=True)
+        else:
+            # An untied float head: the checkpoint's (model_from_int4 packed it for oneDNN
+            # and dropped the module, so lm_head_weight would name the embedding).
+            fallback = model.lm_head_weight if float_head is None else float_head.to(dtype)
+            model.packed_lm_head = BlockLinear(head if head is not None else fallback)
         model.lm_head = None
     if embedding is not None and (kernel or not model.arch.tie_word_embeddings):
-        model.embed_tokens = Q8Embedding(embedding, dtype)
+        if isinstance(embedding, GroupWeight):
+            model.embed_tokens = GroupEmbedding(embedding, dtype)
+        else:
+            model.embed_tokens = Q8Embedding(embedding, dtype)
         if head is embedding:
             model.embed_tokens.weight_nbytes = 0  # one copy of the bytes serves both
+
+    def kind(w: object) -> str:
+        if isinstance(w, Q8Weight):
+            return "Q8_0 as stored"
+        return "as stored (int8 codes)" if isinstance(w, GroupWeight) else f"{dtype}"
+
+    on = "Parley's group_matmul" if isinstance(head, GroupWeight) else "Parley's block_matmul"
     log.info(
         "embedding: %s; LM head: %s",
-        "Q8_0 as stored" if isinstance(model.embed_tokens, Q8Embedding) else f"{dtype}",
-        ("Q8_0 as stored" if head is not None else f"{dtype}")
-        + (" on Parley's block_matmul" if kernel else " on oneDNN"),
+        kind(embedding) if embedding is not None and kernel else f"{dtype}",
+        kind(head) + (f" on {on}" if kernel else " on oneDNN"),
     )
 
 
@@ -234,9 +272,30 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total + sum(getattr(m, "weight_nbytes", 0) for m in model.modules())
 
 
+def _head_from_state(state: dict[str, torch.Tensor], name: str) -> Q8Weight | GroupWeight | None:
+    if f"{name}.gcodes" in state:
+        return GroupWeight.from_state(state, name)
+    return Q8Weight.from_state(state, name)
+
+
+def _kernels_by_type(loaded: LoadedModel, kernel: str) -> str:
+    """Which kernel each stored type of the linears runs on, for the start-up log."""
+    q4 = "Parley's q4_matmul" if kernel == "parley" else "PyTorch's int4 kernel"
+    group = "Parley's group_matmul" if kernel == "parley" else "fp32 dequantized"
+    out = []
+    for t in sorted(loaded.linear_types()):
+        if t in NATIVE_4BIT:
+            out.append(f"{t} on {q4} (where a fused linear mixes types: {group})")
+        elif t in AS_STORED:
+            out.append(f"{t} as int8 codes with fp32 group scales on {group}")
+        else:
+            out.append(f"{t} rounded to 4 bits on {q4}")
+    return "; ".join(out) or "floats rounded to 4 bits"
+
+
 def _int4_model(
     loaded: LoadedModel, cache_dir: Path, dtype: torch.dtype, max_positions: int, kernel: str
-) -> tuple[LlamaModel, dict[str, Q8Weight]]:
+) -> tuple[LlamaModel, dict[str, Q8Weight | GroupWeight]]:
     """The int4 model, and the embedding / LM head as the checkpoint's Q8_0 bytes where it
     stores them so (by Hugging Face name)."""
     target = None
@@ -244,7 +303,7 @@ def _int4_model(
         target = cache_dir / "converted" / f"{loaded.cache_key}-{INT4_FORMAT}"
         if (target / "model.safetensors").exists():
             state = read_tensors(target / "model.safetensors")
-            q8 = {n: w for n in (EMBEDDING, LM_HEAD) if (w := Q8Weight.from_state(state, n))}
+            q8 = {n: w for n in (EMBEDDING, LM_HEAD) if (w := _head_from_state(state, n))}
             linears = int4_from_state_dict(state)
             model = model_from_int4(
                 loaded.arch, loaded.weights, linears, dtype, max_positions, kernel=kernel
@@ -253,11 +312,17 @@ def _int4_model(
     started = time.monotonic()
     stored, q8 = {}, {}
     if loaded.source is not None and loaded.source.suffix == ".gguf":
-        from app.model.gguf_file import iter_q4_weights, iter_q8_weights, open_gguf
+        from app.model.gguf_file import iter_group_weights, iter_q4_weights, open_gguf
 
         reader, _ = open_gguf(loaded.source)
         stored = dict(iter_q4_weights(reader, loaded.arch))
-        q8 = {n: w for n, w in iter_q8_weights(reader, loaded.arch) if n in (EMBEDDING, LM_HEAD)}
+        heads = frozenset((EMBEDDING, LM_HEAD))
+        for name, w in iter_group_weights(reader, loaded.arch):
+            if name in heads:
+                # Per 32 without offsets (Q8_0, Q5_0) is Q8Weight's form: block_matmul.
+                q8[name] = Q8Weight(w.codes, w.scale) if w.group == 32 and w.offset is None else w
+            elif name.endswith("_proj.weight"):
+                stored[name] = w
     linears, as_stored = int4_linears(loaded.arch, loaded.weights, stored)
     parts = 7 * loaded.arch.num_layers  # q, k, v, o, gate, up, down
     log.info(

@@ -180,6 +180,8 @@ class FusedCpuOps(TorchOps):
         ops in the same order as layer by layer, without their ~15 Python calls a layer."""
         if meta.prefills or meta.decode_lens is None or meta.num_decodes != h.shape[0]:
             return None
+        if not model.stackable:  # a family's own layers (app/model/families)
+            return None
         if self._weights is None:
             self._weights = self._layer_weights(model) if self._layer_weights else []
         if not self._weights:
@@ -257,6 +259,8 @@ class LlamaModel(nn.Module):
     """The decoder. forward() takes a flat batch and returns logits only for the rows in
     `logits_indices` (the LM head is the largest matmul of a small model: it never runs
     for tokens in the middle of a prompt)."""
+
+    stackable = True  # its layers are Llama's own, which Parley's decode_layers computes
 
     def __init__(
         self,

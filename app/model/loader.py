@@ -25,13 +25,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.config import ModelConfig
 from app.model.arch import ArchConfig
+from app.model.families import layer_norms
 from app.model.fingerprint import fingerprint
-from app.model.registry import DEFAULT_MODEL, default_model_path
+from app.model.registry import DEFAULT_MODEL, MODELS, known_model, model_path
 
 log = logging.getLogger(__name__)
 
-# Bump when the converted layout changes (v2: rope_freqs in arch.json; v3: tensor_types.json).
-CACHE_FORMAT = "v3"
+# Bump when the converted layout changes (v2: rope_freqs in arch.json; v3: tensor_types.json;
+# v4: the families' norms).
+CACHE_FORMAT = "v4"
 # End-of-turn markers of common chat templates: generation stops at any that exists.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -60,14 +62,18 @@ class LoadedModel:
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load config, weights and tokenizer for `cfg.model` (None: the default model)."""
-    if cfg.model is None:
-        path = default_model_path(cfg.cache_dir)
-        name = DEFAULT_MODEL.name
+    known = known_model(cfg.model) if cfg.model is not None else DEFAULT_MODEL
+    if known is not None and (cfg.model is None or not Path(cfg.model).expanduser().exists()):
+        path = model_path(known, cfg.cache_dir)
+        name = known.name
     else:
         path = Path(cfg.model).expanduser()
         name = path.stem if path.suffix == ".gguf" else path.name
         if not path.exists():
-            raise FileNotFoundError(f"model path {path} does not exist")
+            raise FileNotFoundError(
+                f"model path {path} does not exist (nor is it a known model name: "
+                f"{', '.join(MODELS)})"
+            )
     if not path.is_dir() and path.suffix != ".gguf":
         raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
     key = f"{name}-{fingerprint(path)[:16]}"
@@ -80,6 +86,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         types = json.loads((converted / "tensor_types.json").read_text())
     # Weights stay as loaded (fp32, memory-mapped): app.model.build converts what it keeps
     # into the dtype the model runs in, and leaves alone what a weight format replaces.
+    if arch.architecture == "gemma3" and not getattr(tokenizer, "chat_template", None):
+        from app.model.families.gemma3 import CHAT_TEMPLATE
+
+        tokenizer.chat_template = CHAT_TEMPLATE
     eos = _eos_token_ids(tokenizer, path)
     return LoadedModel(name, arch, weights, tokenizer, eos, key, path, types)
 
@@ -95,21 +105,30 @@ def fuse_weights(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, tor
         if lm_head is None:
             raise ValueError("the checkpoint has no lm_head.weight and does not tie embeddings")
         out["lm_head.weight"] = lm_head
+    norms, norm_offset = layer_norms(arch)
+    if norm_offset:
+        out["norm.weight"] = out["norm.weight"] + norm_offset
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         q = f"layers.{i}."
-        out[q + "input_norm.weight"] = hf.pop(p + "input_layernorm.weight")
-        out[q + "post_norm.weight"] = hf.pop(p + "post_attention_layernorm.weight")
-        out[q + "qkv.weight"] = torch.cat(
-            [hf.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0
+        for theirs, ours in norms.items():
+            out[q + ours] = hf.pop(p + theirs) + norm_offset if norm_offset else hf.pop(p + theirs)
+        fused = hf.pop(p + "self_attn.qkv_proj.weight", None)  # Phi-3 stores them so
+        out[q + "qkv.weight"] = (
+            torch.cat([hf.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
+            if fused is None
+            else fused
         )
         if arch.attention_bias:
             out[q + "qkv.bias"] = torch.cat(
                 [hf.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
             )
         out[q + "o_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight")
-        out[q + "gate_up.weight"] = torch.cat(
-            [hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")], dim=0
+        fused = hf.pop(p + "mlp.gate_up_proj.weight", None)
+        out[q + "gate_up.weight"] = (
+            torch.cat([hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
+            if fused is None
+            else fused
         )
         out[q + "down.weight"] = hf.pop(p + "mlp.down_proj.weight")
     unused = [k for k in hf if "rotary_emb" not in k]
@@ -163,7 +182,7 @@ def _convert_gguf(path: Path, target: Path) -> None:
         hf[name] = tensor
     weights = fuse_weights(hf, arch)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    types = tensor_types(reader)
+    types = tensor_types(reader, arch.architecture)
 
     def fill(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"))

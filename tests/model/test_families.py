@@ -1,0 +1,133 @@
+"""The families beyond Llama's decoder (app/model/families), each a small random model built
+in the test and written as llama.cpp writes it: our GGUF reader and layers compute what
+transformers computes on the same weights. And an architecture we do not run is a one-line
+error that names those we do."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from app.config import ModelConfig, default_cache_dir
+from app.model.build import build_model
+from app.model.loader import load_model
+from app.model.registry import SUPPORTED_ARCHITECTURES, default_model_path
+from tests.model.gguf_families import tiny_hf, write_family_gguf
+
+pytest.importorskip("transformers")
+
+
+def exact(path, tmp_path, **kw) -> ModelConfig:
+    return ModelConfig(
+        model=str(path), cache_dir=tmp_path / "cache", quantization="none", dtype="float32", **kw
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+def test_a_family_computes_what_transformers_computes(family, tmp_path, tokenizer):
+    hf = tiny_hf(family, len(tokenizer))
+    path = write_family_gguf(
+        hf, tmp_path / f"{family}.gguf", default_model_path(default_cache_dir())
+    )
+    cfg = exact(path, tmp_path)
+    loaded = load_model(cfg)
+    assert loaded.arch.architecture == family and loaded.arch.qk_norm == (family != "phi3")
+    if family == "gemma3":  # 5 local layers of 8 positions, then a global one
+        assert [loaded.arch.layer_window(i) for i in range(6)] == [8] * 5 + [None]
+    model = build_model(loaded, cfg, "cpu", 512).model
+    ids = list(range(1000, 1040))  # 40 positions: 5 windows' worth
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+        ours = model.forward_tokens(ids)
+    diff = (ours - ref).abs().max().item()
+    assert diff < 1e-3, f"max |logit difference| {diff}"
+
+
+def test_gemma3_without_its_window_would_differ(tmp_path, tokenizer):
+    """The test above can fail: attending to everything in the local layers moves the
+    logits of positions past the window."""
+    hf = tiny_hf("gemma3", len(tokenizer))
+    path = write_family_gguf(hf, tmp_path / "g.gguf", default_model_path(default_cache_dir()))
+    cfg = exact(path, tmp_path)
+    model = build_model(load_model(cfg), cfg, "cpu", 512).model
+    ids = list(range(1000, 1040))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+        for layer in model.layers:
+            layer.window = None
+        wrong = model.forward_tokens(ids)
+    assert (wrong[8:] - ref[8:]).abs().max().item() > 1e-2
+
+
+def test_an_unknown_architecture_is_one_line_naming_the_supported(tmp_path):
+    path = tmp_path / "bogus.gguf"
+    writer = GGUFWriter(str(path), "bogus")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError) as err:
+        load_model(ModelConfig(model=str(path), cache_dir=tmp_path / "cache"))
+    message = str(err.value)
+    assert "\n" not in message and "'bogus'" in message
+    assert all(a in message for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_known_model_names_and_paths(tmp_path):
+    from app.model.registry import GEMMA3_270M, known_model
+
+    assert known_model("Gemma-3-270M") is GEMMA3_270M
+    assert known_model("no-such-model") is None
+    with pytest.raises(FileNotFoundError, match="known model name"):
+        load_model(ModelConfig(model=str(tmp_path / "missing.gguf"), cache_dir=tmp_path))
+
+
+def test_gemma3_template_has_no_system_role(tokenizer):
+    """A Gemma file without a template of its own gets Gemma's turns; a system message
+    opens the first user turn (Gemma has no system role)."""
+    from app.model.families.gemma3 import CHAT_TEMPLATE
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Why?"},
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    bos = tokenizer.bos_token or ""
+    assert text == (
+        f"{bos}<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+@pytest.mark.parametrize("family,kind", [("qwen3", "Q5_0"), ("phi3", "Q8_0"), ("gemma3", "Q5_1")])
+def test_quantized_linears_run_as_stored(family, kind, tmp_path, tokenizer):
+    """A file's 5- and 8-bit linears serve from their own blocks (int8 codes on
+    group_matmul, Phi-3's fused matrices whole): the same function as the exact
+    reference, which dequantizes the same blocks."""
+    from app.model.quant.kquants import GroupLinear
+
+    hf = tiny_hf(family, len(tokenizer))
+    source = default_model_path(default_cache_dir())
+    path = write_family_gguf(hf, tmp_path / "q.gguf", source, GGMLQuantizationType[kind])
+    ref_cfg = exact(path, tmp_path)
+    loaded = load_model(ref_cfg)
+    assert loaded.linear_types() == {kind}
+    ref = build_model(loaded, ref_cfg, "cpu", 512).model
+    cfg = exact(path, tmp_path)
+    cfg = ModelConfig(**{**cfg.__dict__, "quantization": "auto", "cpu_kernels": "on"})
+    built = build_model(loaded, cfg, "cpu", 512)
+    assert built.format.quantization == "int4"
+    linears = [m for m in built.model.modules() if isinstance(m, GroupLinear)]
+    assert len(linears) == 4 * loaded.arch.num_layers and all(m.kernel for m in linears)
+    ids = list(range(1000, 1040))
+    with torch.no_grad():
+        want, got = ref.forward_tokens(ids), built.model.forward_tokens(ids)
+    diff = (got - want).abs().max().item()
+    tol = 0.1 if built.format.dtype == "bfloat16" else 1e-3
+    assert diff < tol, f"max |logit difference| {diff} ({built.format.dtype})"

@@ -1,0 +1,112 @@
+"""GGUF's block formats as stored (app.model.quant.kquants): every type read into codes,
+scales and offsets whose dequantization is gguf's own, bit for bit; and its matmul on
+parley.group_matmul against a float reference, the same bits for a row in any batch."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GGML
+from gguf.quants import dequantize, quantize
+
+from app.config import default_cache_dir
+from app.model import kernels
+from app.model.quant.kquants import BLOCKS, GroupEmbedding, GroupLinear, GroupWeight, from_gguf
+
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants.quantize makes these
+
+
+@pytest.fixture(scope="module")
+def parley_kernels():
+    why = kernels.load(default_cache_dir())
+    if why is not None:
+        pytest.skip(why)
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw blocks [n, k / per * bytes] of `kind`: quantized by gguf where it can; else
+    random bytes with finite fp16 super-block scales (every bit pattern of the codes and
+    the packed sub-block scales is a valid block)."""
+    rng = np.random.default_rng(seed)
+    if kind in QUANTIZABLE:
+        w = rng.standard_normal((n, k)).astype(np.float32) * rng.random((n, 1), np.float32)
+        return quantize(w, GGML[kind])
+    size, per = BLOCKS[kind]
+    b = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+    scales = (rng.random((n, k // per, 2)) * 0.02 + 1e-4).astype(np.float16).view(np.uint8)
+    if kind == "Q6_K":
+        b[..., 208:210] = scales[..., 0:2]
+    else:  # Q4_K, Q5_K: d, then dmin
+        b[..., 0:4] = scales.reshape(n, k // per, 4)
+    return b.reshape(n, -1)
+
+
+def gguf_floats(raw: np.ndarray, kind: str) -> torch.Tensor:
+    return torch.from_numpy(dequantize(raw, GGML[kind]).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_every_type_reads_as_gguf_dequantizes_it(kind):
+    raw = random_blocks(kind, 24, 512)
+    w = from_gguf(raw, kind)
+    assert w.codes.dtype == torch.int8 and w.shape == (24, 512)
+    assert w.group == (16 if kind == "Q6_K" else 32)
+    want = gguf_floats(raw, kind)
+    assert torch.equal(w.dequantize(), want)  # exact: no bit of the file lost
+    ids = torch.tensor([3, 0, 23, 3])
+    assert torch.equal(w.rows(ids), want[ids])
+    assert torch.equal(GroupEmbedding(w, torch.float32)(ids), want[ids])
+
+
+def test_an_unknown_type_is_a_clear_error():
+    with pytest.raises(ValueError, match="IQ2_XS is not one of"):
+        from_gguf(np.zeros((1, 66), np.uint8), "IQ2_XS")
+
+
+def test_fused_parts_of_mixed_types_keep_every_weight():
+    """qkv of a Q4_K_M file mixes types (Q5_0 q, Q8_0 v, ...): stacked at the finest
+    group, a missing offset as zeros, each row still its file's weights."""
+    parts = [("Q5_0", 8), ("Q6_K", 16), ("Q4_K", 8)]
+    raws = [random_blocks(kind, rows, 256, seed=i) for i, (kind, rows) in enumerate(parts)]
+    fused = GroupWeight.cat([from_gguf(r, kind) for r, (kind, _) in zip(raws, parts)])
+    want = torch.cat([gguf_floats(r, kind) for r, (kind, _) in zip(raws, parts)])
+    assert fused.group == 16 and fused.offset is not None
+    assert torch.equal(fused.dequantize(), want)
+    state = fused.state("layers.0.qkv")
+    again = GroupWeight.from_state(state, "layers.0.qkv")
+    assert not state and torch.equal(again.dequantize(), want)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_matmul_computes_x_w_t(parley_kernels, kind, dtype):
+    raw = random_blocks(kind, 40, 512, seed=1)
+    floats = gguf_floats(raw, kind)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(9)).to(dtype)
+    lin = GroupLinear(from_gguf(raw, kind), bias=bias)
+    assert lin.kernel
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = lin(x)
+    want = x.double() @ floats.double().t() + bias.double()
+    assert y.dtype == dtype and y.shape == (5, 40)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.double(), want, rtol=tol, atol=tol * 10)
+    if dtype == torch.float32:  # the fallback computes the same function
+        slow = GroupLinear(from_gguf(raw, kind), bias=bias, kernel=False)
+        assert torch.allclose(slow(x).double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q8_0"])
+def test_a_row_has_the_same_bits_in_any_batch_on_any_thread_count(parley_kernels, kind):
+    raw = random_blocks(kind, 203, 512, seed=3)  # 203 rows: a ragged last tile
+    lin = GroupLinear(from_gguf(raw, kind), fp32_out=True)
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    whole = lin(x)
+    for i in (0, 5, 36):
+        assert torch.equal(lin(x[i : i + 1]), whole[i : i + 1])
+    assert torch.equal(lin(x[3:20]), whole[3:20])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), whole)
+    finally:
+        torch.set_num_threads(threads)
