@@ -11,6 +11,7 @@ import torch
 
 from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model.build import build_model
 from app.model.loader import load_model
@@ -47,7 +48,7 @@ def replies(engine: LLMEngine, prompts: list[list[int]], together: bool = True) 
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     out = {}
     for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, params)
+        engine.add_request(EngineRequest(ids, params, str(i)))
         if not together:
             out.update(run(engine))
     out.update(run(engine))
