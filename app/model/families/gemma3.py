@@ -20,7 +20,7 @@ from torch import nn
 
 from app.model.arch import ArchConfig
 from app.model.attention import AttentionMetadata, attend
-from app.model.families.qwen3 import qk_normed
+from app.model.families.qwen3 import qk_normed_attention_inputs
 from app.model.llama import DecoderLayer, LlamaModel, RMSNorm, Rotary
 from app.model.sliding_window import attend_window
 
@@ -68,14 +68,7 @@ class Gemma3Layer(DecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.arch, self.ops
         T = h.shape[0]
-        if residual is None:
-            x, residual = ops.norm(h, self.input_norm), h
-        else:
-            x, residual = ops.add_norm(h, residual, self.input_norm)
-        qkv = qk_normed(self.qkv(x), self.q_norm, self.k_norm, ops, a)
-        qk = ops.rope_store(qkv, rope, kv, meta, a)
-        q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
-        v = qkv[:, a.q_size + a.kv_size :].view(T, a.num_kv_heads, a.head_dim)
+        q, k, v, residual = qk_normed_attention_inputs(self, h, residual, rope, kv, meta)
         if self.window is None:
             o = attend(q, k, v, kv[0], kv[1], meta, self.scale)
         else:

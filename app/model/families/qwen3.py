@@ -23,6 +23,29 @@ def qk_normed(
     return torch.cat((q, k.view(T, -1), qkv[:, arch.q_size + arch.kv_size :]), dim=-1)
 
 
+def qk_normed_attention_inputs(
+    layer: DecoderLayer,
+    h: torch.Tensor,
+    residual: torch.Tensor | None,
+    rope: object,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer with q/k norms up to attention: the input norm (added to the residual), the
+    projection with each head of q and k normalized, the rotary with K/V stored; returns
+    q, k, v as (T, heads, D) and the residual."""
+    a, ops = layer.arch, layer.ops
+    T = h.shape[0]
+    if residual is None:
+        x, residual = ops.norm(h, layer.input_norm), h
+    else:
+        x, residual = ops.add_norm(h, residual, layer.input_norm)
+    qkv = qk_normed(layer.qkv(x), layer.q_norm, layer.k_norm, ops, a)
+    qk = ops.rope_store(qkv, rope, kv, meta, a)
+    v = qkv[:, a.q_size + a.kv_size :].view(T, a.num_kv_heads, a.head_dim)
+    return qk[:, : a.num_heads], qk[:, a.num_heads :], v, residual
+
+
 class Qwen3Layer(DecoderLayer):
     def __init__(self, arch: ArchConfig, device: torch.device | str | None = None) -> None:
         super().__init__(arch, device)
@@ -39,14 +62,7 @@ class Qwen3Layer(DecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.arch, self.ops
         T = h.shape[0]
-        if residual is None:
-            x, residual = ops.norm(h, self.input_norm), h
-        else:
-            x, residual = ops.add_norm(h, residual, self.input_norm)
-        qkv = qk_normed(self.qkv(x), self.q_norm, self.k_norm, ops, a)
-        qk = ops.rope_store(qkv, rope, kv, meta, a)
-        q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
-        v = qkv[:, a.q_size + a.kv_size :].view(T, a.num_kv_heads, a.head_dim)
+        q, k, v, residual = qk_normed_attention_inputs(self, h, residual, rope, kv, meta)
         o = attend(q, k, v, kv[0], kv[1], meta, self.scale)
         x, residual = ops.add_norm(self.o_proj(o.reshape(T, a.q_size)), residual, self.post_norm)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
