@@ -247,3 +247,32 @@ def test_metrics_key_flag(monkeypatch):
     config = server_config(build_parser().parse_args(["--api-key", "k"]))
     assert config.metrics_key == "scrape"
     assert not any("/metrics" in line for line in config.describe())
+
+
+def test_connections_to_the_servers_socket_send_without_nagle():
+    """The socket python -m app takes: asyncio turns Nagle off on each connection it
+    accepts (a kept-alive connection's every request after the first had waited 40 ms for
+    the client's delayed ACK when it did not)."""
+    import asyncio
+    import socket
+
+    from app.__main__ import take_port
+
+    sock = take_port("127.0.0.1", 0)
+
+    async def accept_one() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def connected(reader, writer) -> None:
+            raw = writer.get_extra_info("socket")
+            seen.set_result(raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(connected, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            nodelay = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(accept_one()) != 0
