@@ -118,9 +118,12 @@ class ChatSocket:
             await self.send(p.pong_frame())
         elif isinstance(frame, p.CancelFrame):
             stream = self.turns.get(frame.id)
-            if stream is None or stream.finished:
+            if stream is None:
                 raise p.ProtocolError(p.UNKNOWN_ID, f"no turn {frame.id!r} is in flight", frame.id)
-            stream.cancel()  # ends with finish_reason "cancelled"
+            # A turn that finished but whose terminal frame is still on its way here is in
+            # flight for the client: the cancel is a no-op, the done that follows says how
+            # it ended (an error now would be a second terminal frame for the id).
+            stream.cancel()  # ends with finish_reason "cancelled"; nothing once finished
         elif isinstance(frame, p.DeleteFrame):
             self.chat.check_access(self.principal, frame.conversation_id, None)
             # Cancel first: the engine applies the abort (whose blocks go to the pin) before

@@ -219,3 +219,40 @@ def test_page_and_static_files(client):
     assert client.get("/static/app.js").status_code == 200
     assert client.get("/static/../app/config.py").status_code == 404
     assert client.get("/static/%2e%2e/app/config.py").status_code == 404
+
+
+def test_a_cancel_that_races_the_turns_done_gets_no_second_terminal_frame():
+    """The turn finished, its done still on the way to the socket (its pump has not run):
+    a cancel then is a no-op, and the client sees exactly one terminal frame for the id.
+    (A soak run met it: `unknown_id` for a turn whose done came right after.)"""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from app.server import protocol as p
+    from app.server.streams import Streams
+    from app.server.ws import ChatSocket
+
+    sent = []
+
+    class Socket:  # what ChatSocket.send writes to
+        async def send_text(self, text):
+            sent.append(json.loads(text))
+
+    async def main():
+        sock = ChatSocket(Socket(), SimpleNamespace(chat=None), principal=None)
+        stream = Streams().open("c1-key", "t1", "c1", "me", sock)
+        sock.turns["t1"] = stream
+        stream.push("hi")
+        stream.finish(json.dumps({"type": "done", "id": "t1", "finish_reason": "stop"}))
+        try:  # as ChatSocket.run handles a frame
+            await sock._handle(p.CancelFrame("t1"))
+        except p.ProtocolError as err:
+            await sock.send(p.error_frame(err))
+        while "t1" in sock.turns:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+    assert [f["type"] for f in sent] == ["token", "done"]
+    assert sent[-1]["finish_reason"] == "stop"
