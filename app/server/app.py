@@ -44,7 +44,7 @@ from app.server.security import (
 from app.server.shares import V1TurnShare
 from app.server.streams import Streams, StreamsConfig
 from app.server.turn_runner import TurnRunner
-from app.server.ws import ws_endpoint
+from app.server.ws import Connections, ws_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,9 @@ def create_app(
                 "tokenizer_api": tokenizer_api.TokenizerAPI(chat),
                 "templates": templates,
                 "turns": runner,
+                "connections": Connections(
+                    chat.config.max_connections, chat.config.max_connections_per_client
+                ),
             }
         finally:
             runner.closing = True  # journaled turns in flight stay pending for the next process

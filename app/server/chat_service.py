@@ -19,7 +19,6 @@ from app.chat.sessions import Conversation, ConversationStore
 from app.chat.window import HistoryTooLong, Window, fit, reply_room
 from app.config import INLINE_TEXT_CHARS
 from app.engine.errors import ContextTooLong
-from app.engine.outputs import RequestOutput
 from app.engine.protocol import EngineClient
 from app.server import protocol as p
 from app.server.security import Principal
@@ -82,8 +81,6 @@ class ChatService:
         self.max_model_len = info.max_model_len
         self.max_tokens_limit = info.max_model_len - 1
         self.eos_token_ids = info.eos_token_ids
-        self.connections = 0  # open /ws sockets (event-loop only)
-        self.sockets = Share(self.config.max_connections_per_client)  # per client
         self.turns = Share(self.config.max_turns_per_client)  # per client, /ws and /v1
 
     def cache_salt(self, principal: Principal) -> str | None:
@@ -238,35 +235,3 @@ class ChatService:
         if conv is not None:
             self._owned(principal, conv, None)
             self.store.delete(conv)
-
-    @staticmethod
-    def usage(out: RequestOutput) -> p.Usage:
-        return p.Usage(
-            out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.tier_cached_tokens
-        )
-
-    @staticmethod
-    def timings(out: RequestOutput) -> p.Timings:
-        t = out.timings
-        ttft = None if t.first_token is None else (t.first_token - t.arrival) * 1000
-        queue = None if t.first_scheduled is None else (t.first_scheduled - t.arrival) * 1000
-        total = None if t.finished is None else (t.finished - t.arrival) * 1000
-        rate = None
-        if t.finished is not None and t.first_token is not None and out.completion_tokens > 1:
-            span = t.finished - t.first_token
-            rate = (out.completion_tokens - 1) / span if span > 0 else None
-        return p.Timings(ttft, rate, queue, total)
-
-    def log_turn(self, turn: Turn, out: RequestOutput, reason: str) -> None:
-        t = self.timings(out)
-        log.info(
-            "turn done: conversation=%s prompt=%d cached=%d completion=%d ttft=%s ms "
-            "tok/s=%s finish=%s",
-            turn.frame.conversation_id,
-            out.prompt_tokens,
-            out.cached_tokens,
-            out.completion_tokens,
-            "-" if t.ttft_ms is None else f"{t.ttft_ms:.0f}",
-            "-" if t.tokens_per_s is None else f"{t.tokens_per_s:.1f}",
-            reason,
-        )

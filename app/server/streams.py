@@ -19,7 +19,10 @@ Backpressure is as before: the runner waits until the attached sink has taken a 
 before it reads the engine's next output (which merges whatever a slow reader missed);
 a detached turn is never held up.
 
-The engine never knows: a stream sees only text frames.
+The engine never knows: a stream sees only text frames. Frames are kept as the JSON text
+sent, not as objects: a frame is serialised once, however many sockets it is replayed to
+(a resume, a reload), and the terminal frame is the very string the journal records; token
+frames are kept as their texts and made at send time, their seq being their place.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from app.server.security import Principal
 from app.server.streams import Sink, Streams, TurnStream
 
 log = logging.getLogger(__name__)
+turns_log = logging.getLogger("parley.chat")  # one line per finished turn
 
 SUPERSEDE_TIMEOUT_S = 10.0  # a cancelled turn ends within an engine step; this is a backstop
 
@@ -92,7 +93,7 @@ class TurnRunner:
         stream = self.streams.open(
             turn.conversation.key, frame.id, frame.conversation_id, principal.owner, sink
         )
-        self._spawn(self._run(turn, stream, None))
+        self._spawn(TurnRun(self, turn, stream, None).run())
         return stream
 
     async def resume(self, frame: p.ResumeFrame, principal: Principal, sink: Sink) -> TurnStream:
@@ -153,7 +154,7 @@ class TurnRunner:
         if cont is None:
             self._spawn(self._spent(chat_turn, stream, turn))
         else:
-            self._spawn(self._run(chat_turn, stream, cont))
+            self._spawn(TurnRun(self, chat_turn, stream, cont).run())
 
     def _adopt_finished(self, turn: RecoveredTurn) -> None:
         rec = turn.record
@@ -193,127 +194,149 @@ class TurnRunner:
                 self.chat.forget(turn)
         stream.finish(terminal)
 
-    async def _run(self, turn: Turn, stream: TurnStream, resumed: Resumed | None) -> None:
+
+class TurnRun:
+    """One run of a turn, from its engine request to its one terminal frame. What the run
+    knows lives here: the reply so far, the ids the journal has not recorded yet, the
+    numbers of the start frame (shown with the first recorded token), the last output."""
+
+    def __init__(
+        self, runner: TurnRunner, turn: Turn, stream: TurnStream, resumed: Resumed | None
+    ) -> None:
+        self.runner = runner
+        self.chat = runner.chat
+        self.journal = runner.journal
+        self.turn = turn
+        self.frame = turn.frame
+        self.stream = stream
+        self.request_id = uuid.uuid4().hex
+        self.cont = resumed.cont if resumed else None
+        self.entry = resumed.entry if resumed else None
+        self.reply: list[str] = [resumed.text] if resumed else []
+        self.reply_ids: list[int] = list(self.cont.kept_ids) if self.cont else []
+        self.unrecorded: list[int] = []  # output ids not in the journal yet
+        self.skip = self.cont.skip if self.cont else 0  # output text clients already have
+        self.last: RequestOutput | None = None
+        self.terminal: str | None = None
+        # The start frame's numbers: it is sent with the first token frame, once that is
+        # recorded (or with the terminal, for a reply with no text), so that what a client
+        # sees of a turn always has a frame in the journal; a record with none was never
+        # shown.
+        self.start: tuple[int, ...] | None = None
+
+    @property
+    def taken_over(self) -> bool:
+        """Another process took the turn over while this one stalled, or the journal
+        failed a write for too long: the turn goes on from its record (elsewhere, or here
+        once Redis answers)."""
+        return self.entry is not None and (self.entry.lost or self.entry.released)
+
+    def abort(self) -> None:
+        self.chat.engine.abort(self.request_id)
+
+    async def run(self) -> None:
         """Engine outputs -> frames; then exactly one terminal frame, unless the server
         is shutting down and the journal keeps the turn for the next process."""
-        frame = turn.frame
-        request_id = uuid.uuid4().hex
-        stream.on_cancel(lambda: self.chat.engine.abort(request_id))
-        cont = resumed.cont if resumed else None
-        entry = resumed.entry if resumed else None
-        reply: list[str] = [resumed.text] if resumed else []
-        reply_ids: list[int] = list(cont.kept_ids) if cont else []
-        unrecorded: list[int] = []  # output ids not in the journal yet
-        skip = cont.skip if cont else 0
-        last: RequestOutput | None = None
-        terminal: str | None = None
-        # The start frame: sent with the first token frame, once that is recorded (or with
-        # the terminal, for a reply with no text), so that what a client sees of a turn
-        # always has a frame in the journal; a record with none was never shown.
-        start: tuple[int, ...] | None = None
-        salt = self.chat.cache_salt(turn.principal)
+        self.stream.on_cancel(self.abort)
+        frame = self.frame
         try:
-            if cont is None:
-                prompt_ids = await self.chat.prompt_ids(turn)
-                params = frame.params
-                if self.journal is not None:
-                    if params.seed is None and not params.greedy:
-                        params = replace(params, seed=secrets.randbits(63))
-                    record = TurnRecord(turn.principal.tenant, turn.principal.owner,
-                                        frame.conversation_id, frame.id, turn.messages, params,
-                                        frame.cache, salt, prompt_ids)  # fmt: skip
-                    entry = await self.journal.accept(record, turn.conversation.key)
-            else:
-                prompt_ids, params = list(cont.prompt_ids), frame.params
-            asked = EngineRequest(
-                prompt_ids,
-                params,
-                request_id,
-                turn.conversation.key if frame.cache else None,
-                use_prefix_cache=frame.cache,  # False: every turn computes its whole prompt
-                cache_salt=salt,
-                routing_key=turn.conversation.key,  # replicas: where the conversation's K/V is
-            )
-            if cont is not None:  # replays the recorded output, or carries it in its prompt
-                asked = cont.request(asked)
-            outputs = self.chat.engine.generate(asked)
+            outputs = self.chat.engine.generate(await self._request())
             async for out in outputs:
-                if cont is not None:  # usage as the turn's: its prompt, all of its output
-                    out = cont.output(out)
-                if last is None and stream.cancelled:
-                    # Cancelled before the engine had the request: that abort found nothing.
-                    self.chat.engine.abort(request_id)
-                last = out
-                reply_ids += out.new_token_ids
-                unrecorded += out.new_token_ids
-                if stream.start is None and start is None:
-                    start = (out.prompt_tokens, out.cached_tokens, out.tier_cached_tokens)
-                text = out.new_text
-                if skip:
-                    cut = min(skip, len(text))
-                    text, skip = text[cut:], skip - cut
-                if not text:
-                    continue
-                if entry is not None and entry.durable:
-                    first = start if stream.start is None else None
-                    await self.journal.progress(entry, stream.next_seq, text, unrecorded, first)
-                    unrecorded = []
-                if entry is not None and (entry.lost or entry.released):
-                    # Another process took the turn over while this one stalled, or the
-                    # journal failed a write for too long: the turn goes on from its record
-                    # (elsewhere, or here once Redis answers). This run stops, and sends
-                    # nothing unrecorded.
-                    self.chat.engine.abort(request_id)
+                if not await self._relay(out):  # taken over: stop, send nothing unrecorded
+                    self.abort()
                     await outputs.aclose()
-                    terminal = _taken_over(frame.id, entry.released)
+                    self.terminal = _taken_over(frame.id, self.entry.released)
                     break
-                if stream.start is None:  # shown once recorded, as every frame
-                    stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start,
-                                                   dropped_messages=turn.dropped))  # fmt: skip
-                reply.append(text)
-                stream.push(text, out.completion_tokens)
-                await stream.sent()
             else:
-                terminal = self._terminal(turn, last)
+                self.terminal = self._done()
         except JournalUnavailable as exc:
-            terminal = p.error_frame(p.ProtocolError(p.UNAVAILABLE, str(exc), frame.id, True))
+            self.terminal = p.error_frame(p.ProtocolError(p.UNAVAILABLE, str(exc), frame.id, True))
         except ENGINE_ERRORS as exc:
-            terminal = p.error_frame(ws_error(exc, frame.id))
+            self.terminal = p.error_frame(ws_error(exc, frame.id))
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("turn %s of conversation %s failed", frame.id, frame.conversation_id)
-            terminal = p.error_frame(ws_error(RuntimeError(), frame.id))
+            self.terminal = p.error_frame(ws_error(RuntimeError(), frame.id))
         finally:
-            completed = terminal is not None and last is not None and last.finished
+            last = self.last
+            completed = self.terminal is not None and last is not None and last.finished
             ok = completed and last.finish_reason is not FinishReason.ERROR
-            self.chat.end_turn(turn, "".join(reply) if ok else None, reply_ids if ok else None)
-        ended = (
-            last is not None
-            and last.finished
-            and not (self.closing and last.finish_reason is FinishReason.ABORT)
-        )
-        if entry is not None and self.journal is not None:
-            if self.closing and not ended and entry.durable:
-                self.journal.release(entry)  # the next process takes it up
-                stream.finish(None)
-                return
-            await self.journal.finish(entry, terminal, ok, unrecorded)
-            if entry.lost or entry.released:
-                # Its end not recorded (write-ahead, as its frames): the run that takes it
-                # up from the record ends it, and this one's history of it is stale.
-                terminal = _taken_over(frame.id, entry.released)
-                self.chat.forget(turn)
-        if (
-            stream.start is None
-            and start is not None
-            and not (entry and (entry.lost or entry.released))
-        ):
-            stream.set_start(p.start_frame(frame.id, frame.conversation_id, *start))
-        stream.finish(terminal)
+            reply = "".join(self.reply) if ok else None
+            self.chat.end_turn(self.turn, reply, self.reply_ids if ok else None)
+        await self._end(ok)
 
-    def _terminal(self, turn: Turn, last: RequestOutput | None) -> str | None:
-        frame = turn.frame
+    async def _request(self) -> EngineRequest:
+        """The engine request: the prompt (journaled first, when there is a journal), or
+        the continuation of a turn taken from the journal."""
+        turn, frame = self.turn, self.frame
+        salt = self.chat.cache_salt(turn.principal)
+        params = frame.params
+        if self.cont is None:
+            prompt_ids = await self.chat.prompt_ids(turn)
+            if self.journal is not None:
+                if params.seed is None and not params.greedy:
+                    params = replace(params, seed=secrets.randbits(63))
+                record = TurnRecord(turn.principal.tenant, turn.principal.owner,
+                                    frame.conversation_id, frame.id, turn.messages, params,
+                                    frame.cache, salt, prompt_ids)  # fmt: skip
+                self.entry = await self.journal.accept(record, turn.conversation.key)
+        else:
+            prompt_ids = list(self.cont.prompt_ids)
+        asked = EngineRequest(
+            prompt_ids,
+            params,
+            self.request_id,
+            turn.conversation.key if frame.cache else None,
+            use_prefix_cache=frame.cache,  # False: every turn computes its whole prompt
+            cache_salt=salt,
+            routing_key=turn.conversation.key,  # replicas: where the conversation's K/V is
+        )
+        # A continuation replays the recorded output, or carries it in its prompt.
+        return self.cont.request(asked) if self.cont is not None else asked
+
+    async def _relay(self, out: RequestOutput) -> bool:
+        """One engine output to the stream, recorded first; False when the turn was taken
+        over and this run must stop."""
+        if self.cont is not None:  # usage as the turn's: its prompt, all of its output
+            out = self.cont.output(out)
+        if self.last is None and self.stream.cancelled:
+            self.abort()  # cancelled before the engine had the request: that abort found nothing
+        self.last = out
+        self.reply_ids += out.new_token_ids
+        self.unrecorded += out.new_token_ids
+        if self.stream.start is None and self.start is None:
+            self.start = (out.prompt_tokens, out.cached_tokens, out.tier_cached_tokens)
+        text = self._unseen(out.new_text)
+        if not text:
+            return True
+        if self.entry is not None and self.entry.durable:
+            first = self.start if self.stream.start is None else None
+            await self.journal.progress(self.entry, self.stream.next_seq, text, self.unrecorded,
+                                        first)  # fmt: skip
+            self.unrecorded = []
+        if self.taken_over:
+            return False
+        if self.stream.start is None:  # shown once recorded, as every frame
+            frame = self.frame
+            start = p.start_frame(frame.id, frame.conversation_id, *self.start,
+                                  dropped_messages=self.turn.dropped)  # fmt: skip
+            self.stream.set_start(start)
+        self.reply.append(text)
+        self.stream.push(text, out.completion_tokens)
+        await self.stream.sent()
+        return True
+
+    def _unseen(self, text: str) -> str:
+        """`text` less what a resumed turn's clients were sent already."""
+        if self.skip:
+            cut = min(self.skip, len(text))
+            text, self.skip = text[cut:], self.skip - cut
+        return text
+
+    def _done(self) -> str | None:
+        """The terminal frame the engine's last output makes (None: it did not finish)."""
+        last, frame = self.last, self.frame
         if last is None:
             return None
         if last.finish_reason is FinishReason.ERROR:
@@ -325,9 +348,66 @@ class TurnRunner:
         reason = str(last.finish_reason)
         if last.finish_reason is FinishReason.ABORT:
             reason = "cancelled"
-        self.chat.log_turn(turn, last, reason)
-        usage = self.chat.usage(last)  # a continuation's: the turn's own (Continuation.output)
-        return p.done_frame(frame.id, reason, usage, self.chat.timings(last))
+        _log_turn(self.turn, last, reason)
+        # A continuation's usage is the turn's own (Continuation.output).
+        return p.done_frame(frame.id, reason, usage_of(last), timings_of(last))
+
+    async def _end(self, ok: bool) -> None:
+        """Record the end, then finish the stream with the terminal frame."""
+        last, stream, frame = self.last, self.stream, self.frame
+        closing = self.runner.closing
+        ended = (
+            last is not None
+            and last.finished
+            and not (closing and last.finish_reason is FinishReason.ABORT)
+        )
+        if self.entry is not None and self.journal is not None:
+            if closing and not ended and self.entry.durable:
+                self.journal.release(self.entry)  # the next process takes it up
+                stream.finish(None)
+                return
+            await self.journal.finish(self.entry, self.terminal, ok, self.unrecorded)
+            if self.taken_over:
+                # Its end not recorded (write-ahead, as its frames): the run that takes it
+                # up from the record ends it, and this one's history of it is stale.
+                self.terminal = _taken_over(frame.id, self.entry.released)
+                self.chat.forget(self.turn)
+        if stream.start is None and self.start is not None and not self.taken_over:
+            stream.set_start(p.start_frame(frame.id, frame.conversation_id, *self.start))
+        stream.finish(self.terminal)
+
+
+def usage_of(out: RequestOutput) -> p.Usage:
+    return p.Usage(
+        out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.tier_cached_tokens
+    )
+
+
+def timings_of(out: RequestOutput) -> p.Timings:
+    t = out.timings
+    ttft = None if t.first_token is None else (t.first_token - t.arrival) * 1000
+    queue = None if t.first_scheduled is None else (t.first_scheduled - t.arrival) * 1000
+    total = None if t.finished is None else (t.finished - t.arrival) * 1000
+    rate = None
+    if t.finished is not None and t.first_token is not None and out.completion_tokens > 1:
+        span = t.finished - t.first_token
+        rate = (out.completion_tokens - 1) / span if span > 0 else None
+    return p.Timings(ttft, rate, queue, total)
+
+
+def _log_turn(turn: Turn, out: RequestOutput, reason: str) -> None:
+    t = timings_of(out)
+    turns_log.info(
+        "turn done: conversation=%s prompt=%d cached=%d completion=%d ttft=%s ms "
+        "tok/s=%s finish=%s",
+        turn.frame.conversation_id,
+        out.prompt_tokens,
+        out.cached_tokens,
+        out.completion_tokens,
+        "-" if t.ttft_ms is None else f"{t.ttft_ms:.0f}",
+        "-" if t.tokens_per_s is None else f"{t.tokens_per_s:.1f}",
+        reason,
+    )
 
 
 def _taken_over(turn_id: str, released: bool = False) -> str:

@@ -24,8 +24,8 @@ from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.server import protocol as p
-from app.server.chat_service import ChatService
 from app.server.security import CLIENT_COOKIE, Principal
+from app.server.shares import Share
 from app.server.streams import TurnStream
 from app.server.turn_runner import TurnRunner
 
@@ -176,26 +176,45 @@ POLICY_VIOLATION = 1008
 TRY_AGAIN_LATER = 1013
 
 
+class Connections:
+    """Open /ws sockets: at most `limit` in all, and each client's share of them
+    (app.server.shares). Event-loop only."""
+
+    def __init__(self, limit: int, per_client: int) -> None:
+        self.open = 0
+        self.limit = limit
+        self.per_client = Share(per_client)
+
+    def admit(self, principal: Principal) -> str | None:
+        """Take a place for the principal's new socket; why not, when there is none."""
+        if self.open >= self.limit:
+            return f"too many connections (at most {self.limit})"
+        if not self.per_client.take(principal.share):
+            return (f"this client has {self.per_client.limit} connections open, its share "
+                    "(--max-connections-per-client)")  # fmt: skip
+        self.open += 1
+        return None
+
+    def leave(self, principal: Principal) -> None:
+        self.open -= 1
+        self.per_client.release(principal.share)
+
+
 async def ws_endpoint(websocket: WebSocket) -> None:
-    chat: ChatService = websocket.state.chat
     runner: TurnRunner = websocket.state.turns
+    connections: Connections = websocket.state.connections
     principal = websocket.user
     if not isinstance(principal, Principal):  # a key is required and none was given
         await websocket.close(POLICY_VIOLATION)
         return
-    if chat.connections >= chat.config.max_connections:
-        await _busy(websocket, f"too many connections (at most {chat.config.max_connections})")
+    refused = connections.admit(principal)
+    if refused is not None:
+        await _busy(websocket, refused)
         return
-    if not chat.sockets.take(principal.share):  # this client's share (app.server.shares)
-        await _busy(websocket, f"this client has {chat.sockets.limit} connections open, its "
-                    "share (--max-connections-per-client)")  # fmt: skip
-        return
-    chat.connections += 1
     try:
         await ChatSocket(websocket, runner, principal).run()
     finally:
-        chat.connections -= 1
-        chat.sockets.release(principal.share)
+        connections.leave(principal)
 
 
 async def _busy(websocket: WebSocket, why: str) -> None:
