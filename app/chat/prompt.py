@@ -11,11 +11,17 @@ How: the template is rendered with a unique marker in place of each such reply, 
 between markers is tokenized piece by piece, and the ids go in between. In ChatML (and most
 templates) a reply sits between a newline and an end-of-turn special token, both of which
 end a pre-token, so tokenizing in pieces gives the same ids as tokenizing the whole.
+
+The pieces of a conversation's next prompt are its last prompt's pieces plus one, so their
+ids are kept (a bounded cache by text): a turn tokenizes its new message, not its whole
+history again.
 """
 
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +29,7 @@ from typing import Any
 ROLES = ("system", "user", "assistant")
 _MARK = "\ue000parley-reply-{}\ue001"  # private-use characters: never in real text
 _MARK_RE = re.compile("\ue000parley-reply-(\\d+)\ue001")
+PIECES_KEPT_CHARS = 4 << 20  # text of the pieces whose ids are kept, at most
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,11 @@ class ChatPrompt:
         self.tokenizer = tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template")
+        # Piece text -> its ids, least recently used first. Large histories render on a
+        # worker thread while small ones render on the event loop: a lock guards it.
+        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._pieces_chars = 0
+        self._lock = threading.Lock()
 
     def render(
         self,
@@ -94,4 +106,20 @@ class ChatPrompt:
         return ids
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        if not text:
+            return []
+        with self._lock:
+            ids = self._pieces.get(text)
+            if ids is not None:
+                self._pieces.move_to_end(text)
+                return list(ids)
+        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        if len(text) <= PIECES_KEPT_CHARS // 8:
+            with self._lock:
+                if text not in self._pieces:
+                    self._pieces[text] = ids
+                    self._pieces_chars += len(text)
+                while self._pieces_chars > PIECES_KEPT_CHARS:
+                    old, _ = self._pieces.popitem(last=False)
+                    self._pieces_chars -= len(old)
+        return list(ids)

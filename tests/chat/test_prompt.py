@@ -41,3 +41,40 @@ def test_generated_ids_are_spliced_in_place_of_the_reply(tokenizer):
     assert tokenizer.decode(spliced) == tokenizer.decode(plain)
     # Ids equal to the natural tokenization change nothing.
     assert prompt.render(HISTORY, {reply: natural}) == plain
+
+
+def test_a_conversations_next_prompt_tokenizes_its_new_message_only(tokenizer, monkeypatch):
+    import app.chat.prompt as prompt_module
+
+    prompt = ChatPrompt(tokenizer)
+    encoded: list[str] = []
+    real = tokenizer.encode
+
+    def counting(text, **kw):
+        encoded.append(text)
+        return real(text, **kw)
+
+    monkeypatch.setattr(tokenizer, "encode", counting)
+    reply = "Paris is the capital."
+    generated = {reply: real(reply, add_special_tokens=False)}
+    first = prompt.render(HISTORY[:2])
+    second = prompt.render(HISTORY, generated)
+    third = [*HISTORY, Message("assistant", "Rome."), Message("user", "And Spain?")]
+    generated["Rome."] = real("Rome.", add_special_tokens=False)
+    again = prompt.render(third, generated)
+    # The first prompt whole; then only what each turn added after its last reply (the text
+    # before the first reply is the first prompt, kept).
+    assert len(encoded) == 3
+    assert "And of Italy?" in encoded[1] and "France" not in encoded[1]
+    assert "And Spain?" in encoded[2] and "Italy" not in encoded[2]
+    # Kept ids are the ids: a fresh prompt (no cache) renders the same.
+    fresh = ChatPrompt(tokenizer)
+    assert first == fresh.render(HISTORY[:2])
+    assert second == fresh.render(HISTORY, generated) == reference(tokenizer, HISTORY)
+    assert again == ChatPrompt(tokenizer).render(third, generated)
+    # Bounded: past its budget the oldest pieces go.
+    monkeypatch.setattr(prompt_module, "PIECES_KEPT_CHARS", 400)
+    small = ChatPrompt(tokenizer)
+    for i in range(20):
+        small.render([Message("user", f"question {i} " * 3)])
+    assert small._pieces_chars <= 400 and len(small._pieces) < 20
