@@ -105,14 +105,14 @@ class ChatPrompt:
         ids += self._encode(text[pos:])
         return ids
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> tuple[int, ...]:
         if not text:
-            return []
+            return ()
         with self._lock:
             ids = self._pieces.get(text)
             if ids is not None:
                 self._pieces.move_to_end(text)
-                return list(ids)
+                return ids
         ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
         if len(text) <= PIECES_KEPT_CHARS // 8:
             with self._lock:
@@ -122,4 +122,4 @@ class ChatPrompt:
                 while self._pieces_chars > PIECES_KEPT_CHARS:
                     old, _ = self._pieces.popitem(last=False)
                     self._pieces_chars -= len(old)
-        return list(ids)
+        return ids

@@ -301,7 +301,7 @@ class Journal(Recovery):
         outputs merging); past that the turn is released (`required`: it stops here and is
         taken up again from its record once Redis answers, by this process or another) or
         runs on without durability."""
-        if not entry.durable or entry.lost or entry.released:
+        if not entry.durable or entry.taken_over:
             return False
         patience = min(self.config.claim_after_s / 2, 2 * self.config.timeout_s)
         deadline = time.monotonic() + patience

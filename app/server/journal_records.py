@@ -103,6 +103,12 @@ class JournalEntry:
     abandoned: bool = False  # not durable, and to be acknowledged once Redis answers
     released: bool = False  # a write failed: stopped here, taken up again from its record
 
+    @property
+    def taken_over(self) -> bool:
+        """The turn stops here and goes on from its record: another process took it over
+        (`lost`), or a write failed for too long (`released`)."""
+        return self.lost or self.released
+
 
 @dataclass(frozen=True)
 class RecoveredTurn:

@@ -189,7 +189,7 @@ class TurnRunner:
         terminal = p.done_frame(turn.frame.id, "length", usage, timings)
         if self.journal is not None:
             await self.journal.finish(recovered.entry, terminal, True, [])
-            if recovered.entry.lost or recovered.entry.released:
+            if recovered.entry.taken_over:
                 terminal = _taken_over(turn.frame.id, recovered.entry.released)
                 self.chat.forget(turn)
         stream.finish(terminal)
@@ -226,10 +226,8 @@ class TurnRun:
 
     @property
     def taken_over(self) -> bool:
-        """Another process took the turn over while this one stalled, or the journal
-        failed a write for too long: the turn goes on from its record (elsewhere, or here
-        once Redis answers)."""
-        return self.entry is not None and (self.entry.lost or self.entry.released)
+        """The turn goes on from its journal record, not in this run (JournalEntry)."""
+        return self.entry is not None and self.entry.taken_over
 
     def abort(self) -> None:
         self.chat.engine.abort(self.request_id)
