@@ -87,19 +87,25 @@ def test_parleys_kernel_serves_the_gguf_weights_exactly(kind, parley_kernels):
     assert torch.equal(got.t(), want)
 
 
-def test_parleys_kernel_gives_a_row_the_same_bits_in_any_batch_and_thread_count(parley_kernels):
+@pytest.mark.parametrize("shape", [(80, 576), (112, 1536)])
+def test_parleys_kernel_gives_a_row_the_same_bits_in_any_batch_and_thread_count(
+    shape, parley_kernels
+):
     """One arithmetic for one row and for hundreds: a decode's row, a prompt's and a chunk's
-    come out alike, on one thread or several (and close to the exact product)."""
+    come out alike, on one thread or several (and close to the exact product). From 32 rows
+    the kernel reads weights it unpacked for the call, in slabs of tiles (3 tiles of 1,536
+    columns a slab: the second shape spans three slabs); fewer rows read the codes."""
     g = torch.Generator().manual_seed(5)
-    weight = quantize_rtn(torch.randn(80, 576, generator=g))
+    weight = quantize_rtn(torch.randn(*shape, generator=g))
     layer = Int4Linear(weight, None, torch.bfloat16, "parley")
-    x = torch.randn(45, 576, generator=g).bfloat16()
+    x = torch.randn(45, shape[1], generator=g).bfloat16()
     whole = layer(x.float())
     exact = x.double() @ weight.dequantize().double().t()
     assert ((whole.double() - exact).norm() / exact.norm()) < 1e-6
     for i in (0, 7, 8, 44):
         assert torch.equal(layer(x[i : i + 1].float()), whole[i : i + 1]), i
     assert torch.equal(layer(x[3:20].float()), whole[3:20])
+    assert torch.equal(layer(x[2:38].float()), whole[2:38])  # 36 rows: unpacked too
     assert torch.equal(layer(x), whole.bfloat16())  # bf16 out: the fp32 sum rounded once
     threads = torch.get_num_threads()
     try:
