@@ -61,14 +61,14 @@ def peak_rss_mib(pid: int) -> float:
 class Server:
     """A server process on a free loopback port, ready when /v1/models answers."""
 
-    def __init__(self, name: str, cmd: list[str], port: int) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, cwd: Path | None = None) -> None:
         self.name, self.port = name, port
         self.base = f"http://127.0.0.1:{port}/v1"
         # Its output goes to a temporary file, named when a scenario fails.
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (open while the server runs)
             prefix=f"{name}-", suffix=".log", delete=False
         )
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd)
         wait_ready(self.proc, self.base + "/models", f"{name} ({' '.join(cmd)})")
 
     def state(self) -> str:
@@ -264,14 +264,18 @@ def table(r: dict, cpu: str, parley_flags: str, llama_flags: str) -> str:
 
 
 def parley_only(args: argparse.Namespace) -> None:
-    """Parley's side of the comparison alone (no ratio: llama-server's side is missing)."""
+    """Parley's side of the comparison alone (no ratio to llama-server: its side is
+    missing). With --against ROOT, a second Parley from that checkout runs the same
+    scenarios, alternating, and the ratios are to it."""
     if args.quick:
         args.repeats, args.tokens = 1, 48
     model_flags = ["--model", args.gguf] if args.gguf else []
-    port = free_port()
-    cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning",
-           *model_flags, *args.parley_flags.split()]  # fmt: skip
-    servers = [Server("parley", cmd, port)]
+    servers = []
+    for name, root in [("parley", ROOT)] + ([("before", args.against)] if args.against else []):
+        port = free_port()
+        cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning",
+               *model_flags, *args.parley_flags.split()]  # fmt: skip
+        servers.append(Server(name, cmd, port, cwd=root))
     t = args.tokens
     try:
         results = {
@@ -279,17 +283,40 @@ def parley_only(args: argparse.Namespace) -> None:
                                         args.repeats)),
             "c32": asyncio.run(scenario(servers, "c32",
                                         lambda c, m, run: concurrent(c, m, 32, t), args.repeats)),
+            "long": asyncio.run(scenario(servers, "long",
+                                         lambda c, m, run: long_then_follow_up(c, m, 1500, run),
+                                         args.repeats)),
+            "long4400": asyncio.run(scenario(servers, "long4400",
+                                             lambda c, m, run: long_then_follow_up(c, m, 4400,
+                                                                                   run),
+                                             args.repeats)),
         }  # fmt: skip
-        results["rss"] = {"parley": peak_rss_mib(servers[0].proc.pid)}
+        results["rss"] = {s.name: peak_rss_mib(s.proc.pid) for s in servers}
     finally:
-        servers[0].stop()
-    one, c32 = results["one"]["parley"], results["c32"]["parley"]
-    print(
-        f"Parley `python -m app {' '.join(model_flags)} {args.parley_flags}` on {cpu_flags()}, "
-        f"{os.cpu_count()} cores: one stream {one['decode_tok_s']:.1f} tok/s decode "
-        f"(TTFT {one['ttft_s']:.2f} s); 32 concurrent {c32['tok_s']:.1f} tok/s aggregate; "
-        f"peak RSS {results['rss']['parley']:.0f} MiB"
-    )
+        for s in servers:
+            s.stop()
+    print(f"Parley `python -m app {' '.join(model_flags)} {args.parley_flags}` on "
+          f"{cpu_flags()}, {os.cpu_count()} cores, medians of {args.repeats}:")  # fmt: skip
+    for s in servers:
+        one, c32 = results["one"][s.name], results["c32"][s.name]
+        long, long4400 = results["long"][s.name], results["long4400"][s.name]
+        print(
+            f"  {s.name}: one stream {one['decode_tok_s']:.1f} tok/s decode (TTFT "
+            f"{one['ttft_s']:.2f} s); 32 concurrent {c32['tok_s']:.1f} tok/s aggregate; "
+            f"1,500-token prompt TTFT {long['ttft_s']:.2f} s (follow-up "
+            f"{long['follow_up_ttft_s']:.3f} s); 4,400-token prompt TTFT "
+            f"{long4400['ttft_s']:.2f} s (follow-up {long4400['follow_up_ttft_s']:.3f} s); "
+            f"peak RSS {results['rss'][s.name]:.0f} MiB"
+        )
+    if args.against:
+        ratio = {k: results[k]["parley"][m] / results[k]["before"][m]
+                 for k, m in [("one", "decode_tok_s"), ("c32", "tok_s"), ("long", "ttft_s"),
+                              ("long4400", "ttft_s")]}  # fmt: skip
+        print(
+            f"  this checkout / {args.against}: one stream {ratio['one']:.2f}x, 32 concurrent "
+            f"{ratio['c32']:.2f}x (higher is better); 1,500-token TTFT {ratio['long']:.2f}x, "
+            f"4,400-token TTFT {ratio['long4400']:.2f}x (lower is better)"
+        )
 
 
 def main() -> None:
@@ -305,7 +332,15 @@ def main() -> None:
     ap.add_argument(
         "--parley-only",
         action="store_true",
-        help="where llama-server is not built: Parley's one stream, 32 concurrent and peak RSS",
+        help="where llama-server is not built: Parley's one stream, 32 concurrent, the "
+        "1,500- and 4,400-token prompts and peak RSS",
+    )
+    ap.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="with --parley-only: also run Parley from this checkout (an older commit), "
+        "alternating, and give the ratios to it",
     )
     args = ap.parse_args()
     if args.parley_only:
