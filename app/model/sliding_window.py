@@ -1,12 +1,15 @@
 """Attention over the last `window` positions only (Gemma 3's local layers), over the
 same paged KV cache as full attention (app/model/attention.py).
 
-Correctness first: the blocks of a sequence stay as they are and the keys that fell out of
-the window are masked (their blocks are not freed). Every query row attends to the keys at
-positions p with q - window < p <= q, through PyTorch's SDPA: decodes gathered by block
-table (Python work per decode and layer: fine for correctness, a kernel's job later),
-prefill chunks over their own K/V (a fresh prompt) or the gathered context. A decode
-attends in a call of its own, over exactly its window.
+The blocks of a sequence stay as they are and the keys that fell out of the window are
+skipped (their blocks are not freed). Every query row attends to the keys at positions p
+with q - window < p <= q. Where Parley's CPU kernels are loaded, decodes and prompt chunks
+attend in place through paged_decode / paged_prefill with the window: one call a step for
+all decodes, and each row in the bits a decode at its position gets, so a prompt's chunking
+and the prefix cache change nothing, as in the global layers. Otherwise PyTorch's SDPA:
+decodes gathered by block table, one call a sequence over exactly its window (its bits do
+not depend on the sequences beside it), prefill chunks over their own K/V (a fresh prompt)
+or the gathered context with a mask.
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ def attend_window(
     hkv = k.shape[1]
     out = torch.empty_like(q)
     n = meta.num_decodes
-    if n:
+    if n and meta.decode_lens is not None:  # Parley's CPU kernel, over the cache in place
+        out[:n] = torch.ops.parley.paged_decode(
+            q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale, window
+        )
+    elif n:
         if meta.decode_block_tables is None:
             raise NotImplementedError("local attention runs on the CPU path (block tables)")
         # One call a sequence over exactly its window's keys: no padding to the batch's
@@ -61,6 +68,12 @@ def attend_window(
             out[i] = o.reshape(H, D)
     for p in meta.prefills:
         s, e = p.start, p.start + p.num_tokens
+        if meta.prefill_in_place:
+            out[s:e] = torch.ops.parley.paged_prefill(
+                q[s:e], k_cache, v_cache, p.block_table, p.context_len - p.num_tokens, scale,
+                window,
+            )  # fmt: skip
+            continue
         q_pos = positions[s:e].cpu()
         if p.block_table is None:  # a fresh prompt: its own K/V are the whole context
             ks, vs, k_pos = k[s:e], v[s:e], q_pos

@@ -70,14 +70,17 @@ def test_rope_store_equals_rotate_and_index_copy(dtype):
     assert not kc.view(-1, Hkv, D)[untouched].any() and not vc.view(-1, Hkv, D)[untouched].any()
 
 
-def _reference_decode(q, kc, vc, tables, lens):
-    """Softmax attention in float64, each sequence's keys read through its block table."""
+def _reference_decode(q, kc, vc, tables, lens, window=0):
+    """Softmax attention in float64, each sequence's keys read through its block table (with
+    a window, its last `window` keys)."""
     B, H, D = q.shape
     Hkv = kc.shape[2]
     out = []
     for b in range(B):
-        ks = kc[tables[b]].reshape(-1, Hkv, D)[: lens[b]].double().repeat_interleave(H // Hkv, 1)
-        vs = vc[tables[b]].reshape(-1, Hkv, D)[: lens[b]].double().repeat_interleave(H // Hkv, 1)
+        first = max(0, int(lens[b]) - window) if window else 0
+        keys = slice(first, int(lens[b]))
+        ks = kc[tables[b]].reshape(-1, Hkv, D)[keys].double().repeat_interleave(H // Hkv, 1)
+        vs = vc[tables[b]].reshape(-1, Hkv, D)[keys].double().repeat_interleave(H // Hkv, 1)
         s = torch.einsum("hd,lhd->hl", q[b].double(), ks) * D**-0.5
         out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vs))
     return torch.stack(out)
@@ -128,6 +131,44 @@ def test_paged_prefill_gives_each_row_a_decodes_bits(dtype, head_dim, block_size
     tol = 1e-6 if dtype == torch.float32 else 8e-3
     ref = _reference_decode(q, kc, vc, table.expand(n, -1), lens)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "heads"), [(64, (9, 3)), (16, (9, 3)), (256, (4, 1))])
+def test_a_sliding_window_attends_its_last_keys_alike_decoded_prompted_or_chunked(
+    dtype, head_dim, heads
+):
+    """Gemma's local layers: each row attends to its last `window` keys only, in the same
+    bits decoded, in a whole prompt, in chunks after a cached prefix, and close to float64
+    attention over exactly those keys. Windows shorter than a score block (1, 5), across the
+    512-key spans (512, 700), and one longer than the context (a window that changes
+    nothing: the same bits as none)."""
+    (H, Hkv), bs = heads, 16
+    g = _gen(head_dim + 3)
+    blocks = 1300 // bs + 2
+    kc = torch.randn(blocks, bs, Hkv, head_dim, generator=g).to(dtype)
+    vc = torch.randn(blocks, bs, Hkv, head_dim, generator=g).to(dtype)
+    table = torch.randperm(blocks, generator=g)
+    q = torch.randn(1300, H, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    lens = torch.arange(1, 1301)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    for window in (1, 5, 512, 700, 5000):
+        whole = torch.ops.parley.paged_prefill(q, kc, vc, table, 0, scale, window)
+        cuts = [0, 37, 38, 600, 1100, 1300]
+        chunks = [torch.ops.parley.paged_prefill(q[a:b], kc, vc, table, a, scale, window)
+                  for a, b in itertools.pairwise(cuts)]  # fmt: skip
+        assert torch.equal(torch.cat(chunks), whole), window
+        at = torch.tensor([0, 4, 5, 511, 512, 699, 700, 1023, 1299])  # decodes here
+        decodes = torch.ops.parley.paged_decode(
+            q[at], kc, vc, table.expand(len(at), -1), lens[at], scale, window
+        )
+        assert torch.equal(decodes, whole[at]), window
+        ref = _reference_decode(q[at], kc, vc, table.expand(len(at), -1), lens[at], window)
+        torch.testing.assert_close(decodes.double(), ref, rtol=0, atol=tol)
+    none = torch.ops.parley.paged_prefill(q[:40], kc, vc, table, 1000, scale)
+    assert torch.equal(torch.ops.parley.paged_prefill(q[:40], kc, vc, table, 1000, scale, 5000),
+                       none)  # fmt: skip
 
 
 def test_a_prompt_in_chunks_attends_as_the_whole_prompt():

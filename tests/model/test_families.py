@@ -22,13 +22,17 @@ def exact(path, tmp_path, **kw) -> ModelConfig:
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
-def test_a_family_computes_what_transformers_computes(family, tmp_path, tokenizer):
+@pytest.mark.parametrize(
+    ("family", "kernels"), [("qwen3", "off"), ("gemma3", "off"), ("gemma3", "on"), ("phi3", "off")]
+)
+def test_a_family_computes_what_transformers_computes(family, kernels, tmp_path, tokenizer):
+    """With Parley's CPU kernels on, Gemma's local layers attend through paged_prefill's
+    window (where the CPU has AVX-512; PyTorch's SDPA otherwise)."""
     hf = tiny_hf(family, len(tokenizer))
     path = write_family_gguf(
         hf, tmp_path / f"{family}.gguf", default_model_path(default_cache_dir())
     )
-    cfg = exact(path, tmp_path)
+    cfg = exact(path, tmp_path, cpu_kernels=kernels)
     loaded = load_model(cfg)
     assert loaded.arch.architecture == family and loaded.arch.qk_norm == (family != "phi3")
     if family == "gemma3":  # 5 local layers of 8 positions, then a global one

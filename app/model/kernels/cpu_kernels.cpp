@@ -345,7 +345,8 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 // Decode attention over the paged cache in place: no gathered copy, no mask.
 //
 // q: (B, H, D), one token per sequence; caches (num_blocks, block_size, Hkv, D); tables
-// (B, max_blocks) int64; lens (B,) int64, the keys each sequence attends to. The G query
+// (B, max_blocks) int64; lens (B,) int64, the keys each sequence attends to (with a
+// `window` > 0, only the last `window` of them: Gemma's local layers). The G query
 // heads that share a K/V head are computed together, so each key is read once for them.
 // Work is split into (sequence, span of kSpan keys, K/V head) items, in that order, so a
 // thread reads a span's heads one after the other while their lines are near; a sequence's spans
@@ -443,20 +444,31 @@ void combine_spans(int64_t spans, int64_t D, Piece piece, float* o, T* y) {
   for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(o[d] * inv);
 }
 
+// The first key a query at `position` attends to: 0, or with a sliding window (Gemma's
+// local layers) the oldest of the window's last `window` positions.
+inline int64_t window_start(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
+}
+
 template <typename T>
 void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                        const int64_t* lens, T* out, int64_t B, int64_t H, int64_t kv_heads,
-                       int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+                       int64_t D, int64_t block_size, int64_t max_blocks, float scale,
+                       int64_t window) {
   const int64_t G = H / kv_heads;
-  // Items: (sequence, K/V head, span). first_item[b] is sequence b's first.
-  std::vector<int64_t> first_item(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b)
-    first_item[b + 1] = first_item[b] + kv_heads * ((lens[b] + kSpan - 1) / kSpan);
+  // Items: (sequence, K/V head, span), over the spans that hold a key the sequence attends
+  // to (all of them without a window). first_item[b] is sequence b's first.
+  std::vector<int64_t> first_item(B + 1, 0), first_span(B);
+  for (int64_t b = 0; b < B; ++b) {
+    first_span[b] = window_start(lens[b] - 1, window) / kSpan;
+    const int64_t spans = (lens[b] + kSpan - 1) / kSpan - first_span[b];
+    first_item[b + 1] = first_item[b] + kv_heads * spans;
+  }
   const int64_t items = first_item[B];
   // Per item: its max and sum for each of G rows, and G x D partial outputs.
   std::vector<float> stats(items * 2 * G), partial(items * G * D);
   int64_t keys = 0;
-  for (int64_t b = 0; b < B; ++b) keys += lens[b];
+  for (int64_t b = 0; b < B; ++b) keys += lens[b] - window_start(lens[b] - 1, window);
   // Small steps run on the calling thread (a grain above the count): waking the pool
   // costs more than the work.
   const int64_t grain = keys * kv_heads < 512 ? items + 1 : 1;
@@ -466,10 +478,12 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
                 first_item.begin() - 1;
     for (int64_t it = begin; it < end; ++it) {
       while (it >= first_item[b + 1]) ++b;
-      const int64_t span = (it - first_item[b]) / kv_heads, h = (it - first_item[b]) % kv_heads;
+      const int64_t span = first_span[b] + (it - first_item[b]) / kv_heads;
+      const int64_t h = (it - first_item[b]) % kv_heads;
       const T* qb = q + (b * H + h * G) * D;
       for (int64_t g = 0; g < G; ++g) widen_qk(qb + g * D, qf.data() + g * D, D);
-      const int64_t first = span * kSpan, last = std::min(lens[b], first + kSpan);
+      const int64_t first = std::max(span * kSpan, window_start(lens[b] - 1, window));
+      const int64_t last = std::min(lens[b], span * kSpan + kSpan);
       float* st = stats.data() + it * 2 * G;
       const auto span_fn = D == 64    ? decode_span<T, 64>
                            : D == 128 ? decode_span<T, 128>
@@ -522,7 +536,9 @@ void check_blocks(const int64_t* table, int64_t keys, int64_t block_size, int64_
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+                        const at::Tensor& tables, const at::Tensor& lens, double scale,
+                        int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   check_attention(q, k_cache, v_cache, "sequences");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
@@ -545,7 +561,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     paged_decode_impl(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                       v_cache.data_ptr<scalar_t>(), tp, lp,
                       out.data_ptr<scalar_t>(), B, H, kv_heads, D, block_size, tc.size(1),
-                      static_cast<float>(scale));
+                      static_cast<float>(scale), window);
   });
   return out;
 }
@@ -555,9 +571,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 //
 // q: (n, H, D), n consecutive positions of one sequence, the first at `start`, their K/V
 // already in the cache; table: (blocks,) int64, the sequence's block table. Row r attends
-// to keys 0 .. start + r, causal. Each row's result is the bits paged_decode gives a
-// decode at that position: the same spans of kSpan keys, the same dot products, the same
-// softmax and the same combine, in the same order. So how a prompt is cut into chunks,
+// to keys 0 .. start + r, causal (with a `window` > 0, to the last `window` of them). Each
+// row's result is the bits paged_decode gives a decode at that position: the same spans of
+// kSpan keys, the same dot products, the same softmax and the same combine, in the same
+// order. So how a prompt is cut into chunks,
 // what was cached before it, and whether a token was decoded or came in a prompt change
 // nothing in its attention. (PyTorch's flash kernel rounds a row by the shape of its call:
 // a chunk of a few rows after a cached prefix, or a decode, comes out in other bits than
@@ -614,20 +631,28 @@ inline __m256 reduce8(const __m256* v) {
 
 // One item: rows [r0, r1) of the chunk (positions start + r), K/V head h, keys
 // [first, first + kSpan). For each row r and query head g: its span max, sum and G x D
-// partial output at stats / partial, laid out as paged_decode's.
+// partial output at stats / partial, laid out as paged_decode's. A row attends to the
+// span's keys [lower(r), keys(r)) (offsets from `first`): those up to its position, and
+// with a window only its window's.
 template <typename T, int64_t kD>
 void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                   int64_t block_size, int64_t kv_heads, int64_t H, int64_t h, int64_t start,
                   int64_t r0, int64_t r1, int64_t first, int64_t G, int64_t head_dim,
-                  float scale, float* kf, float* vf, float* qf, float* scores, float* stats,
-                  float* partial) {
+                  float scale, int64_t window, float* kf, float* vf, float* qf, float* scores,
+                  float* stats, float* partial) {
   const int64_t D = kD ? kD : head_dim;
-  // Keys row r attends to in this span (0 if none); rows are in order, so the last row's
-  // is the most.
+  // Rows are in order, so both bounds ascend with r: the last row's keys(r) is the most,
+  // the first row's lower(r) the least.
   const auto keys = [&](int64_t r) {
     return std::max<int64_t>(0, std::min(start + r + 1, first + kSpan) - first);
   };
+  const auto lower = [&](int64_t r) {
+    return std::clamp<int64_t>(window_start(start + r, window) - first, 0, kSpan);
+  };
   const int64_t n = keys(r1 - 1);
+  // Keys before the first row's window are neither read nor copied; the copy starts at a
+  // multiple of 8 (the score blocks') so that every key a block reads was written.
+  const int64_t least = std::min(n, lower(r0) / 8 * 8);
   // The span's K and V rows of head h, widened to fp32 once for all the tile's vectors,
   // then 16 rows of zeros (a block of dot products may read past a row's last key).
 #if defined(__AVX512BF16__)
@@ -638,7 +663,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   constexpr bool kDot = false;
 #endif
   uint16_t* kb = reinterpret_cast<uint16_t*>(kf);
-  for (int64_t pos = first; pos < first + n; ++pos) {
+  for (int64_t pos = first + least; pos < first + n; ++pos) {
     const int64_t at = ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
     if constexpr (kDot)
       std::memcpy(kb + (pos - first) * D, k_cache + at, D * sizeof(T));
@@ -667,10 +692,10 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     const auto q_of = [&](int64_t v) {
       return reinterpret_cast<const uint16_t*>(q + ((r0 + v / G) * H + h * G + v % G) * kD);
     };
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    for (int64_t j0 = least; j0 < n; j0 += 8) {
       for (int64_t v = 0; v < qvecs; v += 2) {
         const int64_t w = std::min(v + 1, qvecs - 1);
-        if (j0 >= keys(r0 + w / G)) continue;
+        if (j0 >= keys(r0 + w / G) || j0 + 8 <= lower(r0 + v / G)) continue;
         __m512bh qa[kP], qb[kP];
         for (int64_t c = 0; c < kP; ++c) {
           qa[c] = (__m512bh)_mm512_loadu_si512(q_of(v) + 32 * c);
@@ -699,10 +724,11 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 #ifdef __AVX512F__
   if constexpr (kD > 0 && kD % kLanes == 0) {
     constexpr int64_t kC = kD / kLanes;
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    for (int64_t j0 = least; j0 < n; j0 += 8) {
       for (int64_t v = 0; v < qvecs; v += 2) {
         const int64_t w = std::min(v + 1, qvecs - 1);  // a last vector alone pairs with itself
-        if (j0 >= keys(r0 + w / G)) continue;  // w's row is v's or after it: the most keys
+        // w's row is v's or after it: the most keys, and the window's start the latest
+        if (j0 >= keys(r0 + w / G) || j0 + 8 <= lower(r0 + v / G)) continue;
         __m512 qa[kC], qb[kC], lanes[16];
         for (int64_t c = 0; c < kC; ++c) {
           qa[c] = _mm512_loadu_ps(qf + v * kD + c * kLanes);
@@ -729,9 +755,9 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 #elif defined(__AVX2__)
   if constexpr (kD > 0 && kD % kLanes == 0) {
     // lane_sum's 16 lanes as two registers: term d goes to lane d % 16, low or high half.
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    for (int64_t j0 = least; j0 < n; j0 += 8) {
       for (int64_t v = 0; v < qvecs; ++v) {
-        if (j0 >= keys(r0 + v / G)) continue;
+        if (j0 >= keys(r0 + v / G) || j0 + 8 <= lower(r0 + v / G)) continue;
         const float* qv = qf + v * kD;
         __m256 lanes[8];
         for (int i = 0; i < 8; ++i) {
@@ -753,7 +779,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     for (int64_t v = 0; v < qvecs; ++v) {
       const int64_t nv = keys(r0 + v / G);
       const float* qv = qf + v * D;
-      for (int64_t j = 0; j < nv; ++j) {
+      for (int64_t j = lower(r0 + v / G); j < nv; ++j) {
         const float* kr = kf + j * D;
         scores[v * kSpan + j] = lane_sum(D, [&](int64_t d) { return qv[d] * kr[d]; });
       }
@@ -761,13 +787,13 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   }
   // Softmax pieces and the weighted sum of V, each query vector over its own keys.
   for (int64_t v = 0; v < qvecs; ++v) {
-    const int64_t r = r0 + v / G, g = v % G, nv = keys(r);
+    const int64_t r = r0 + v / G, g = v % G, lv = lower(r), nv = keys(r) - lv;
     float* st = stats + (r - r0) * 2 * G;
     float* a = partial + ((r - r0) * G + g) * D;
-    if (nv == 0) {  // a row before this span: nothing to add (its combine skips the span)
-      continue;
+    if (nv <= 0) {  // a row before this span, or one whose window starts after it: nothing
+      continue;     // to add (its combine skips the span)
     }
-    float* sv = scores + v * kSpan;
+    float* sv = scores + v * kSpan + lv;  // from its first key, as decode_span's scores
     for (int64_t j = 0; j < nv; ++j) sv[j] *= scale;  // after the sum, as decode_span scales
     const float m = max_of(sv, nv);
     exp_shifted(sv, nv, m);
@@ -783,6 +809,9 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   const auto out_of = [&](int64_t v) {
     return partial + v * D;  // row r0 + v / G, query head v % G
   };
+  const auto start_of = [&](int64_t v, int64_t j0) {
+    return std::max(lower(r0 + v / G), j0);
+  };
   const auto stop_of = [&](int64_t v, int64_t j0) {
     return std::min(keys(r0 + v / G), j0 + kBlock);
   };
@@ -796,18 +825,24 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
       for (int64_t d = 0; d < D; ++d) a[d] += pj * vr[d];
     }
   };
-  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+  for (int64_t j0 = least; j0 < n; j0 += kBlock) {
     int64_t v = 0;
 #ifdef __AVX512F__
     if constexpr (kD > 0 && kD % kLanes == 0) {
       constexpr int64_t kC = kD / kLanes, kGroup = kD <= 64 ? 4 : 2;
       for (; v + kGroup <= qvecs; v += kGroup) {
-        const int64_t common = std::max(j0, stop_of(v, j0));  // rows ascend: v's is the least
-        if (common > j0) {
+        // The keys all kGroup vectors have: rows ascend, so from the last one's start to the
+        // first one's stop. Each vector's keys before and after them go one by one, so that
+        // every vector adds its keys in order.
+        const int64_t from = start_of(v + kGroup - 1, j0);
+        const int64_t common = std::max(from, stop_of(v, j0));
+        for (int64_t k = 0; k < kGroup; ++k)
+          single(v + k, start_of(v + k, j0), std::min(from, stop_of(v + k, j0)));
+        if (common > from) {
           __m512 acc[kGroup][kC];
           for (int64_t k = 0; k < kGroup; ++k)
             for (int64_t c = 0; c < kC; ++c) acc[k][c] = _mm512_loadu_ps(out_of(v + k) + c * kLanes);
-          for (int64_t j = j0; j < common; ++j) {
+          for (int64_t j = from; j < common; ++j) {
             const float* vr = vf + j * kD;
             __m512 row[kC];
             for (int64_t c = 0; c < kC; ++c) row[c] = _mm512_loadu_ps(vr + c * kLanes);
@@ -820,19 +855,20 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
           for (int64_t k = 0; k < kGroup; ++k)
             for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(out_of(v + k) + c * kLanes, acc[k][c]);
         }
-        for (int64_t k = 0; k < kGroup; ++k) single(v + k, common, stop_of(v + k, j0));
+        for (int64_t k = 0; k < kGroup; ++k)
+          single(v + k, std::max(common, start_of(v + k, j0)), stop_of(v + k, j0));
       }
     }
 #elif defined(__AVX2__)
     if constexpr (kD == 64) {  // a vector's 64 sums in 8 registers: 8 chains of adds
       for (; v < qvecs; ++v) {
-        const int64_t stop = stop_of(v, j0);
-        if (stop <= j0) continue;
+        const int64_t from = start_of(v, j0), stop = stop_of(v, j0);
+        if (stop <= from) continue;
         float* a = out_of(v);
         const float* sv = scores + v * kSpan;
         __m256 acc[8];
         for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(a + 8 * c);
-        for (int64_t j = j0; j < stop; ++j) {
+        for (int64_t j = from; j < stop; ++j) {
           const __m256 pj = _mm256_set1_ps(sv[j]);
           const float* vr = vf + j * kD;
           for (int c = 0; c < 8; ++c)
@@ -842,14 +878,14 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
       }
     }
 #endif
-    for (; v < qvecs; ++v) single(v, j0, stop_of(v, j0));
+    for (; v < qvecs; ++v) single(v, start_of(v, j0), stop_of(v, j0));
   }
 }
 
 template <typename T>
 void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                         T* out, int64_t n, int64_t start, int64_t H, int64_t kv_heads, int64_t D,
-                        int64_t block_size, float scale) {
+                        int64_t block_size, float scale, int64_t window) {
   const int64_t G = H / kv_heads;
   // Rows a tile: enough tiles for each thread to have two (tile, head) items, and rows of
   // a short chunk (a follow-up) in few tiles, so that each span's K/V is widened few times.
@@ -885,17 +921,21 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = order[item / kv_heads], h = item % kv_heads;
       const int64_t r0 = t * tile, r1 = std::min(n, r0 + tile);
+      // Row r's spans: from the one its window starts in (0 without a window) to the one
+      // that holds its position, as paged_decode's items for a decode there.
       const auto spans_of = [&](int64_t r) { return (start + r + 1 + kSpan - 1) / kSpan; };
+      const auto first_span_of = [&](int64_t r) { return window_start(start + r, window) / kSpan; };
       const int64_t spans = spans_of(r1 - 1);
-      for (int64_t s = 0; s < spans; ++s)
+      for (int64_t s = first_span_of(r0); s < spans; ++s)
         fn(q, k_cache, v_cache, table, block_size, kv_heads, H, h, start, r0, r1, s * kSpan, G,
-           D, scale, kf.data(), vf.data(), qf.data(), scores.data(),
+           D, scale, window, kf.data(), vf.data(), qf.data(), scores.data(),
            stats.data() + s * tile * 2 * G, partial.data() + s * tile * G * D);
       // Combine each row's spans (combine_spans, as paged_decode does).
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t row_spans = spans_of(r);
+        const int64_t row_first = first_span_of(r), row_spans = spans_of(r) - row_first;
         for (int64_t g = 0; g < G; ++g) {
-          const auto piece = [&](int64_t s) {
+          const auto piece = [&](int64_t i) {
+            const int64_t s = row_first + i;
             const float* st = stats.data() + (s * tile + r - r0) * 2 * G;
             return SpanPiece{st[g], st[G + g],
                              partial.data() + ((s * tile + r - r0) * G + g) * D};
@@ -909,7 +949,8 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
 
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& table, int64_t start,
-                         double scale) {
+                         double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   check_attention(q, k_cache, v_cache, "tokens");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
@@ -925,7 +966,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill", [&] {
     paged_prefill_impl(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                        v_cache.data_ptr<scalar_t>(), tp, out.data_ptr<scalar_t>(), n, start, H,
-                       kv_heads, D, block_size, static_cast<float>(scale));
+                       kv_heads, D, block_size, static_cast<float>(scale), window);
   });
   return out;
 }
@@ -966,7 +1007,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     auto qkv = q4(x, w);
     auto qk = rope_store(qkv, cos, sin, positions, slots, k_caches[l], v_caches[l], heads,
                          kv_heads);
-    auto o = paged_decode(qk.narrow(1, 0, heads), k_caches[l], v_caches[l], tables, lens, scale);
+    auto o = paged_decode(qk.narrow(1, 0, heads), k_caches[l], v_caches[l], tables, lens, scale,
+                          /*window=*/0);
     auto attn = q4(o.view({T, q_size}), w + 3);
     std::tie(x, residual) = add_rms_norm(attn, residual, w[13], eps);
     auto gate_up = q4(x, w + 6);
@@ -987,10 +1029,10 @@ TORCH_LIBRARY(parley, m) {
       "Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, int kv_heads) -> Tensor");
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lens, "
-      "float scale) -> Tensor");
+      "float scale, int window=0) -> Tensor");
   m.def(
       "paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int start, "
-      "float scale) -> Tensor");
+      "float scale, int window=0) -> Tensor");
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor positions, Tensor slots, "
       "Tensor tables, Tensor lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
