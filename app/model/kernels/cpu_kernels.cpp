@@ -409,12 +409,14 @@ void decode_span(const float* q /* G x D, widen_qk */, const T* k_cache, const T
     sum_out[g] = lane_sum(n, [&](int64_t j) { return sg[j]; });
   }
   std::fill(acc, acc + G * D, 0.f);
+  // Each key's V added to the sums by a fused multiply-add (one rounding, one instruction),
+  // key by key in order: prefill_span does the same for a prompt's rows.
   for_rows(v_cache, [&](int64_t j, const T* p) {
     for (int64_t d = 0; d < D; ++d) row[d] = widen(p[d]);
     for (int64_t g = 0; g < G; ++g) {
       const float pj = scores[g * n + j];
       float* a = acc + g * D;
-      for (int64_t d = 0; d < D; ++d) a[d] += pj * row[d];
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, row[d], a[d]);
     }
   });
 }
@@ -801,10 +803,11 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     st[G + g] = lane_sum(nv, [&](int64_t j) { return sv[j]; });
     std::fill(a, a + D, 0.f);
   }
-  // The weighted sum of V, key by key in order for each query vector, 32 keys (8 KB of V,
-  // in L1) at a time for all of them. With AVX-512, kGroup vectors together over the keys
-  // they all have, so each V row is loaded once for them and their sums are independent
-  // chains of adds (one vector's kD / 16 chains alone wait on the adds' latency).
+  // The weighted sum of V, key by key in order for each query vector by fused
+  // multiply-adds (as decode_span), 32 keys (8 KB of V, in L1) at a time for all of them.
+  // With AVX-512, kGroup vectors together over the keys they all have, so each V row is
+  // loaded once for them (and kept in registers) and their sums are independent chains
+  // (one vector's kD / 16 chains alone wait on the FMAs' latency).
   constexpr int64_t kBlock = 32;
   const auto out_of = [&](int64_t v) {
     return partial + v * D;  // row r0 + v / G, query head v % G
@@ -822,7 +825,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     for (int64_t j = from; j < to; ++j) {
       const float pj = sv[j];
       const float* vr = vf + j * D;
-      for (int64_t d = 0; d < D; ++d) a[d] += pj * vr[d];
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, vr[d], a[d]);
     }
   };
   for (int64_t j0 = least; j0 < n; j0 += kBlock) {
@@ -845,11 +848,14 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
           for (int64_t j = from; j < common; ++j) {
             const float* vr = vf + j * kD;
             __m512 row[kC];
-            for (int64_t c = 0; c < kC; ++c) row[c] = _mm512_loadu_ps(vr + c * kLanes);
+            for (int64_t c = 0; c < kC; ++c) {
+              row[c] = _mm512_loadu_ps(vr + c * kLanes);
+              asm("" : "+v"(row[c]));  // kept in a register: gcc would load it for every FMA
+            }
             for (int64_t k = 0; k < kGroup; ++k) {
               const __m512 pj = _mm512_set1_ps(scores[(v + k) * kSpan + j]);
               for (int64_t c = 0; c < kC; ++c)
-                acc[k][c] = _mm512_add_ps(acc[k][c], _mm512_mul_ps(pj, row[c]));
+                acc[k][c] = _mm512_fmadd_ps(pj, row[c], acc[k][c]);
             }
           }
           for (int64_t k = 0; k < kGroup; ++k)
@@ -872,7 +878,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
           const __m256 pj = _mm256_set1_ps(sv[j]);
           const float* vr = vf + j * kD;
           for (int c = 0; c < 8; ++c)
-            acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(pj, _mm256_loadu_ps(vr + 8 * c)));
+            acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * c), acc[c]);
         }
         for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, acc[c]);
       }
