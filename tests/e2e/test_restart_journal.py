@@ -1,7 +1,8 @@
-"""A real restart: `python -m app --journal redis://...` with the default model, 16 streaming
-/ws turns, `kill -9` mid-reply, the server started again; the clients re-attach and all 16
-complete. Each reply, read in seq order, has no gap and no duplicate, and equals the reply
-of an uninterrupted (greedy) run."""
+"""A real restart: `python -m app --journal redis://...` with the default model (and with
+Gemma 3, whose local layers attend over a window), 16 streaming /ws turns, `kill -9`
+mid-reply, the server started again; the clients re-attach and all 16 complete. Each reply,
+read in seq order, has no gap and no duplicate, and equals the reply of an uninterrupted
+(greedy) run."""
 
 import asyncio
 import json
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import websockets
 
 from app.chat.prompt import ChatPrompt, Message
@@ -21,6 +23,7 @@ from app.engine.engine import LLMEngine
 from app.engine.engine_request import EngineRequest
 from app.engine.request import SamplingParams
 from app.model import build
+from app.model.loader import load_model
 from tests.engine.util import run
 from tests.redis_server import free_port
 
@@ -36,18 +39,19 @@ QUESTIONS = [f"Write a few sentences about the number {n}." for n in range(TURNS
 # the fp32 reference elsewhere. A turn taken up after the kill replays its sent tokens one
 # decode step each (app.server.turn_runner). Before the prompt kernel, 6 runs of 28 on the
 # default format saw one of the 16 replies take another last token at a near tie.
-if build.prompt_attention_in_place():
-    FORMAT, FORMAT_FLAGS = ModelConfig(), []
-else:
-    FORMAT = ModelConfig(quantization="none", dtype="float32")
-    FORMAT_FLAGS = ["--quantization", "none", "--dtype", "float32"]
+def formats(model: str | None) -> tuple[ModelConfig, list[str]]:
+    """The model's format for this CPU, and the server flags that choose it."""
+    flags = ["--model", model] if model else []
+    if build.prompt_attention_in_place():
+        return ModelConfig(model=model), flags
+    exact = ["--quantization", "none", "--dtype", "float32"]
+    return ModelConfig(model=model, quantization="none", dtype="float32"), flags + exact
 
 
-def start_server(port: int, redis_url: str, log: Path) -> subprocess.Popen:
+def start_server(port: int, redis_url: str, log: Path, flags: list[str]) -> subprocess.Popen:
     server = subprocess.Popen(
         [sys.executable, "-m", "app", "--port", str(port), "--journal", redis_url,
-         "--api-key", KEY, "--kv-cache-size", "256MiB", "--log-level", "info",
-         *FORMAT_FLAGS],
+         "--api-key", KEY, "--kv-cache-size", "256MiB", "--log-level", "info", *flags],
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=log.open("a"),
@@ -119,10 +123,10 @@ class Client:
                 return
 
 
-def uninterrupted(smollm) -> list[str]:
+def uninterrupted(loaded, fmt: ModelConfig) -> list[str]:
     """The same turns, greedy, in one engine that is never stopped."""
-    engine = LLMEngine(EngineConfig(FORMAT, CacheConfig(128 << 20)), smollm)
-    prompt = ChatPrompt(smollm.tokenizer)
+    engine = LLMEngine(EngineConfig(fmt, CacheConfig(128 << 20)), loaded)
+    prompt = ChatPrompt(loaded.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, q in enumerate(QUESTIONS):
         engine.add_request(EngineRequest(prompt.render([Message("user", q)]), params, str(i)))
@@ -130,11 +134,13 @@ def uninterrupted(smollm) -> list[str]:
     return [results[str(i)].text for i in range(TURNS)]
 
 
-def test_kill_9_mid_reply_then_every_turn_completes(smollm, redis_server, tmp_path):
+@pytest.mark.parametrize("model", [None, "gemma-3-270m"], ids=["default", "gemma3"])
+def test_kill_9_mid_reply_then_every_turn_completes(model, smollm, redis_server, tmp_path):
+    fmt, flags = formats(model)
     port = free_port()
     log = tmp_path / "server.log"
     url = f"ws://127.0.0.1:{port}/ws"
-    server = start_server(port, redis_server.url, log)
+    server = start_server(port, redis_server.url, log, flags)
     try:
         clients = [Client(i, url) for i in range(TURNS)]
 
@@ -146,11 +152,11 @@ def test_kill_9_mid_reply_then_every_turn_completes(smollm, redis_server, tmp_pa
             server.send_signal(signal.SIGKILL)  # mid-reply: every turn has a few tokens
             server.wait()
             assert not all(c.done for c in clients), "every turn finished before the kill"
-            server = await asyncio.to_thread(start_server, port, redis_server.url, log)
+            server = await asyncio.to_thread(start_server, port, redis_server.url, log, flags)
             await asyncio.wait_for(asyncio.gather(*tasks), 600)
 
         asyncio.run(scenario())
-        expected = uninterrupted(smollm)
+        expected = uninterrupted(smollm if model is None else load_model(fmt), fmt)
         for c in clients:
             assert not c.problems, (c.i, c.problems)
             assert c.done["type"] == "done" and c.done["usage"]["completion_tokens"] == MAX_TOKENS
