@@ -336,7 +336,11 @@ def test_an_avx2_build_computes_the_same(tmp_path):
                    attn=torch.ops.parley.paged_decode(q, kc, vc, tables, torch.tensor([7, 600]),
                                                       0.125),
                    prompt=torch.ops.parley.paged_prefill(q.repeat(20, 1, 1), kc, vc, tables[0],
-                                                         560, 0.125))
+                                                         560, 0.125),
+                   window=torch.ops.parley.paged_decode(q, kc, vc, tables,
+                                                        torch.tensor([7, 600]), 0.125, 100),
+                   prompt_window=torch.ops.parley.paged_prefill(q.repeat(20, 1, 1), kc, vc,
+                                                                tables[0], 560, 0.125, 100))
         torch.save(out, sys.argv[2])
         """
     )
@@ -349,6 +353,8 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     # The AVX-512 dot products and exponentials (intrinsics) against AVX2's portable loops.
     assert torch.equal(native["attn"], avx2["attn"])
     assert torch.equal(native["prompt"], avx2["prompt"])
+    assert torch.equal(native["window"], avx2["window"])  # a sliding window's bounds too
+    assert torch.equal(native["prompt_window"], avx2["prompt_window"])
     # The LM head: 16 lanes in AVX-512 registers, pairs of AVX2 ones, the same tree.
     assert torch.equal(native["head"], avx2["head"])
     assert torch.equal(native["head_bf16"], avx2["head_bf16"])
