@@ -110,12 +110,18 @@ def test_disabled_truncation_keeps_the_error_on_ws(engine):
 
 
 def test_continue_goes_on_as_if_the_reply_had_not_stopped(engine):
-    ask = [SYSTEM, {"role": "user", "content": "Count from one to twenty in words."}]
+    # A question whose greedy reply runs past 30 tokens, so that both cuts are by length.
+    # ("Count from one to twenty in words." stopped after 8 once the attention's V sums
+    # became fused multiply-adds: a near tie fell the other way.)
+    question = "List the days of the week, then the months of the year."
+    ask = [SYSTEM, {"role": "user", "content": question}]
     with (
         TestClient(create_app(server_config=for_testclient(), engine=engine)) as client,
         client.websocket_connect("/ws") as ws,
     ):
-        whole = text_of(say(ws, "w", "whole", ask, max_tokens=30))
+        whole_frames = say(ws, "w", "whole", ask, max_tokens=30)
+        assert whole_frames[-1]["finish_reason"] == "length"
+        whole = text_of(whole_frames)
         cut_frames = say(ws, "c", "cut", ask, max_tokens=12)
         assert cut_frames[-1]["finish_reason"] == "length"
         cut = text_of(cut_frames)
