@@ -204,6 +204,26 @@ async def scenario(servers: list[Server], name: str, make, repeats: int) -> dict
     return out
 
 
+# Each scenario: a name and, given the tokens a reply decodes, what one run of it does.
+SCENARIOS = {
+    "one": lambda t: lambda c, m, run: concurrent(c, m, 1, t),
+    "c8": lambda t: lambda c, m, run: concurrent(c, m, 8, t),
+    "c32": lambda t: lambda c, m, run: concurrent(c, m, 32, t),
+    "turns": lambda t: lambda c, m, run: multi_turn(c, m, 8, 6, 64),
+    "long": lambda t: lambda c, m, run: long_then_follow_up(c, m, 1500, run),
+    "long4400": lambda t: lambda c, m, run: long_then_follow_up(c, m, 4400, run),
+    "deep": lambda t: lambda c, m, run: deep_chat(c, m, 6000, t, run),
+}
+
+
+def run_scenarios(servers: list[Server], names: list[str], args: argparse.Namespace) -> dict:
+    """The named scenarios in order, each against every server, `args.repeats` times."""
+    return {
+        name: asyncio.run(scenario(servers, name, SCENARIOS[name](args.tokens), args.repeats))
+        for name in names
+    }
+
+
 def cpu_flags() -> str:
     text = Path("/proc/cpuinfo").read_text()
     model = re.search(r"model name\s*:\s*(.*)", text)
@@ -276,21 +296,8 @@ def parley_only(args: argparse.Namespace) -> None:
         cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning",
                *model_flags, *args.parley_flags.split()]  # fmt: skip
         servers.append(Server(name, cmd, port, cwd=root))
-    t = args.tokens
     try:
-        results = {
-            "one": asyncio.run(scenario(servers, "one", lambda c, m, run: concurrent(c, m, 1, t),
-                                        args.repeats)),
-            "c32": asyncio.run(scenario(servers, "c32",
-                                        lambda c, m, run: concurrent(c, m, 32, t), args.repeats)),
-            "long": asyncio.run(scenario(servers, "long",
-                                         lambda c, m, run: long_then_follow_up(c, m, 1500, run),
-                                         args.repeats)),
-            "long4400": asyncio.run(scenario(servers, "long4400",
-                                             lambda c, m, run: long_then_follow_up(c, m, 4400,
-                                                                                   run),
-                                             args.repeats)),
-        }  # fmt: skip
+        results = run_scenarios(servers, ["one", "c32", "long", "long4400"], args)
         results["rss"] = {s.name: peak_rss_mib(s.proc.pid) for s in servers}
     finally:
         for s in servers:
@@ -367,29 +374,8 @@ def main() -> None:
     parley_cmd = [sys.executable, "-m", "app", "--port", str(parley_port),
                   "--log-level", "warning", *model_flags, *args.parley_flags.split()]  # fmt: skip
     servers = [Server("llama", llama_cmd, llama_port), Server("parley", parley_cmd, parley_port)]
-    t = args.tokens
     try:
-        results = {
-            "one": asyncio.run(scenario(servers, "one", lambda c, m, run: concurrent(c, m, 1, t),
-                                        args.repeats)),
-            "c8": asyncio.run(scenario(servers, "c8", lambda c, m, run: concurrent(c, m, 8, t),
-                                       args.repeats)),
-            "c32": asyncio.run(scenario(servers, "c32",
-                                        lambda c, m, run: concurrent(c, m, 32, t), args.repeats)),
-            "turns": asyncio.run(scenario(servers, "turns",
-                                          lambda c, m, run: multi_turn(c, m, 8, 6, 64),
-                                          args.repeats)),
-            "long": asyncio.run(scenario(servers, "long",
-                                         lambda c, m, run: long_then_follow_up(c, m, 1500, run),
-                                         args.repeats)),
-            "long4400": asyncio.run(scenario(servers, "long4400",
-                                             lambda c, m, run: long_then_follow_up(c, m, 4400,
-                                                                                   run),
-                                             args.repeats)),
-            "deep": asyncio.run(scenario(servers, "deep",
-                                         lambda c, m, run: deep_chat(c, m, 6000, t, run),
-                                         args.repeats)),
-        }  # fmt: skip
+        results = run_scenarios(servers, list(SCENARIOS), args)
         results["rss"] = {s.name: peak_rss_mib(s.proc.pid) for s in servers}
     finally:
         for s in servers:
