@@ -2,9 +2,9 @@
 
 The front (this process: the page, /ws, /v1, /metrics) routes each request to a replica
 (router.py: a conversation sticks to the replica holding its K/V unless that one is
-loaded past a threshold) and streams its outputs back through Ray's streaming
-generators. A cancel, or a client that leaves, reaches the replica as an abort within one
-engine step.
+loaded past a threshold), sends it over its link to that replica and reads the outputs
+back from it (link.py: one socket per replica beside Ray, one frame per engine step). A
+cancel, or a client that leaves, reaches the replica as an abort within one engine step.
 
 A replica that dies mid-stream: the request is resubmitted to a live replica as its
 prompt plus the tokens already sent, and the stream goes on where it was (the prefix
@@ -27,9 +27,10 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from app.cluster.replica import Relayed, Replica, ReplicaBeat
+from app.cluster.link import FrontLink, LinkAddress
+from app.cluster.replica import Replica, ReplicaBeat
 from app.cluster.router import Router, prompt_block_hashes
 from app.cluster.simulated import SimulatedReplica
 from app.config import INLINE_TEXT_CHARS, ClusterConfig, EngineConfig
@@ -108,9 +109,11 @@ class RayCluster:
         ray.get([r.healthy.remote() for r in self.replicas])
         self.router = Router(cluster.rebalance_threshold, cluster.min_prefix_blocks)
         self._block_size = config.cache.block_size
-        self._front = uuid.uuid4().hex  # this front's name on the replicas' streams
+        self._front = uuid.uuid4().hex  # this front's name on the replicas' links
+        self._front_ip = ray.util.get_node_ip_address()
         self._inboxes: dict[str, asyncio.Queue[Any]] = {}  # request id -> its outputs
-        self._relays: dict[int, asyncio.Task[None]] = {}  # replica -> its stream's reader
+        self._relays: dict[int, asyncio.Task[None]] = {}  # replica -> its link's reader
+        self._links: dict[int, asyncio.Future[FrontLink]] = {}  # replica -> its link
         self._lost_at: dict[int, float] = {}  # replica -> when its stream last broke
         self._visited: OrderedDict[str, set[int]] = OrderedDict()  # session -> its replicas
         self.live: set[int] = set(range(n))
@@ -120,6 +123,7 @@ class RayCluster:
         self._listeners: list[EngineListener] = []
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
+        self.resumed = 0  # requests taken up by another replica after theirs was lost
         log.info("%d engine replicas on Ray, %s %d threads each", n,
                  "pinned to" if cluster.threads_per_replica else "up to", threads)  # fmt: skip
 
@@ -154,7 +158,7 @@ class RayCluster:
     def abort(self, request_id: str) -> None:
         replica = self._where.get(request_id)
         if replica is not None:
-            self.replicas[replica].abort.remote(request_id)
+            self._abort(replica, request_id)
 
     def release_session(self, session_id: str) -> None:
         # It may have pins on any replica it visited (all, once forgotten which).
@@ -223,8 +227,8 @@ class RayCluster:
                 self._visit(session_id, replica)
             open_choices, ended = params.n, False
             try:
-                self._relay(replica)
-                await self.replicas[replica].submit.remote(self._front, cont.request(asked))
+                link = await self._link(replica)
+                link.submit(cont.request(asked))
                 while not ended:
                     for item in _merged(await inbox.get(), inbox):
                         if isinstance(item, RequestOutput):
@@ -251,11 +255,9 @@ class RayCluster:
                                 self._tell_finished(cont.stats(item, cached))
                             break
                 return
-            except RayTaskError as exc:  # the replica failed to take it
-                cause = exc.cause
-                raise (cause if isinstance(cause, Exception) else exc) from None
-            except (*REPLICA_GONE, ReplicaLost):
+            except (*REPLICA_GONE, ReplicaLost, ConnectionError):
                 tried += 1
+                self.resumed += 1
                 self._lost(replica)
                 log.warning(
                     "replica %d died serving %s; resuming it elsewhere after %d tokens",
@@ -267,8 +269,7 @@ class RayCluster:
                 self.in_flight[replica] -= 1
                 if open_choices > 0 and not ended and replica in self.live:
                     # Left early (a cancel, a client gone): stop the work where it runs.
-                    with contextlib.suppress(Exception):
-                        self.replicas[replica].abort.remote(request_id)
+                    self._abort(replica, request_id)
                 if self._where.get(request_id) == replica:
                     del self._where[request_id]
                 if self._inboxes.get(request_id) is inbox:
@@ -308,31 +309,68 @@ class RayCluster:
         while len(self._visited) > MAX_SESSIONS:
             self._visited.popitem(last=False)
 
-    def _relay(self, i: int) -> None:
-        """Read replica i's stream (once per replica and life of its actor)."""
-        if i not in self._relays:
-            self._relays[i] = asyncio.get_running_loop().create_task(self._read_stream(i))
+    def _abort(self, i: int, request_id: str) -> None:
+        """Stop `request_id` where it runs on replica i (after its submit: one link)."""
+        link = self._open_link(i)
+        if link is not None:
+            with contextlib.suppress(ConnectionError):
+                link.abort(request_id)
 
-    async def _read_stream(self, i: int) -> None:
-        """One item per engine step of replica i (its outputs for all of this front's
-        requests), fanned out to the requests' inboxes. When the stream breaks, every
+    def _open_link(self, i: int) -> FrontLink | None:
+        ready = self._links.get(i)
+        if ready is None or not ready.done() or ready.cancelled() or ready.exception():
+            return None
+        return ready.result()
+
+    def _relay(self, i: int) -> None:
+        """Open replica i's link and read it (once per replica and life of its actor)."""
+        if i not in self._relays:
+            self._links[i] = asyncio.get_running_loop().create_future()
+            self._relays[i] = asyncio.get_running_loop().create_task(self._read_link(i))
+
+    async def _link(self, i: int) -> FrontLink:
+        """Replica i's link, once it is open (ReplicaLost if it cannot be)."""
+        self._relay(i)
+        return await asyncio.shield(self._links[i])
+
+    async def _read_link(self, i: int) -> None:
+        """One frame per engine step of replica i (its outputs for all of this front's
+        requests), fanned out to the requests' inboxes. When the link breaks, every
         request the replica was serving resumes elsewhere."""
+        ready = self._links[i]
+        link: FrontLink | None = None
         try:
-            stream = self.replicas[i].stream.options(num_returns="streaming").remote(self._front)
-            async for ref in stream:
-                batch: list[Relayed] = await ref
-                inboxes = self._inboxes
+            try:
+                address: LinkAddress = await self.replicas[i].open_link.remote(
+                    self._front, self._front_ip
+                )
+                link = await FrontLink.connect(address)
+            except (*REPLICA_GONE, OSError) as exc:
+                raise ReplicaLost(i) from exc
+            ready.set_result(link)
+            inboxes, where = self._inboxes, self._where
+            async for batch in link.batches():
                 for request_id, item in batch:
-                    inbox = inboxes.get(request_id)
-                    if inbox is not None:
-                        inbox.put_nowait(item)
+                    # Only the replica serving it now: a request moved off a link that
+                    # broke may still have outputs on their way from the old one.
+                    if where.get(request_id) == i:
+                        inbox = inboxes.get(request_id)
+                        if inbox is not None:
+                            inbox.put_nowait(item)
         except asyncio.CancelledError:
             raise
-        except REPLICA_GONE:
+        except ReplicaLost:
             pass
         except Exception:
-            log.exception("the stream of engine replica %d failed", i)
+            log.exception("the link of engine replica %d failed", i)
         finally:
+            if link is not None:
+                link.close()
+            if not ready.done():  # never opened: whoever waits for it goes elsewhere
+                ready.set_exception(ReplicaLost(i))
+                ready.exception()  # retrieved: a link nobody waited for is no error
+            if self._links.get(i) is ready:
+                del self._links[i]
             del self._relays[i]
         if not self._stopping:
             self._lost(i)
@@ -343,6 +381,9 @@ class RayCluster:
         self.live.discard(i)
         self._lost_at[i] = time.monotonic()
         self.router.drop(i)
+        link = self._open_link(i)
+        if link is not None:
+            link.close()  # its reader ends; the next heartbeat opens a new one
         for request_id, replica in list(self._where.items()):
             if replica == i and request_id in self._inboxes:
                 self._inboxes[request_id].put_nowait(_GONE)

@@ -1,12 +1,12 @@
 """One engine replica: an AsyncEngine in a Ray actor process of its own.
 
-The front submits a request (`submit`, answered as soon as the request is queued) and
-reads every request's outputs through one long-lived stream per front (`stream`): each
-item is a list of what the replica produced since the last item, usually one engine
-step's outputs for all of its requests. One Ray item per step instead of one per request
-and token keeps the front's CPU per relayed token small. A request's outputs end with its
-frozen stats (FinishedRequestStats, for the front's metrics and tracing), or None when
-there are none, or the exception that refused it (bad input, overloaded).
+A front opens a link to it (`open_link`, over Ray; link.py) and then submits requests and
+reads their outputs over that socket, not through Ray: `submit` queues a request, and
+`stream` gives everything the replica produced for that front since the last item,
+usually one engine step's outputs for all of its requests, which the link sends as one
+frame. A request's outputs end with its frozen stats (FinishedRequestStats, for the
+front's metrics and tracing), or None when there are none, or the exception that refused
+it (bad input, overloaded).
 
 `heartbeat` answers the front's ping: the engine's counters and the hashes of the KV
 blocks this replica holds, for prefix-aware routing (router.py).
@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from app.cluster.link import LOOPBACK, LinkAddress, ReplicaLinks
 from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine, settle_heap
 from app.engine.engine_request import EngineRequest
@@ -59,6 +60,14 @@ class Outbox:
         return items
 
 
+def link_host(front_ip: str) -> str:
+    """Where a replica listens for a front at `front_ip`: loopback on the same node."""
+    import ray  # only ever run inside a Ray actor
+
+    own = ray.util.get_node_ip_address()
+    return LOOPBACK if front_ip == own else own
+
+
 class Replica:
     """The actor's body (wrapped by ray.remote in cluster.py)."""
 
@@ -68,6 +77,7 @@ class Replica:
         self._outboxes: dict[str, Outbox] = {}  # front id -> its unread outputs
         self._tasks: dict[str, asyncio.Task[None]] = {}  # request id -> its relay
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._links = ReplicaLinks(self)
         self.engine.add_listener(self)
         self.engine.start()
         settle_heap()  # the actor's process is this replica's alone, as the server's is
@@ -93,6 +103,9 @@ class Replica:
     def healthy(self) -> bool:
         return self.engine.healthy()
 
+    async def open_link(self, front: str, front_ip: str) -> LinkAddress:
+        return await self._links.open(front, link_host(front_ip))
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -102,13 +115,7 @@ class Replica:
 
     def submit(self, front: str, asked: EngineRequest) -> None:
         """Queue a request; its outputs go to `front`'s stream."""
-        request_id = asked.request_id
-        box = self._outbox(front)
-        if request_id in self._early_aborts:  # cancelled before it got here
-            del self._early_aborts[request_id]
-            box.put((request_id, None))
-            return
-        self._tasks[request_id] = asyncio.get_running_loop().create_task(self._run(box, asked))
+        asyncio.get_running_loop().create_task(self._run(self._outbox(front), asked))
 
     async def stream(self, front: str) -> AsyncIterator[list[Relayed]]:
         """Every output for `front`'s requests, batched by step, for as long as it reads."""
@@ -127,6 +134,7 @@ class Replica:
         self.engine.release_session(session_id)
 
     async def stop(self) -> None:
+        await self._links.close()
         await self.engine.stop()
 
     # -- inside ------------------------------------------------------------------------------
@@ -139,6 +147,12 @@ class Replica:
 
     async def _run(self, box: Outbox, asked: EngineRequest) -> None:
         request_id = asked.request_id
+        if request_id in self._early_aborts:  # cancelled before it got here
+            del self._early_aborts[request_id]
+            box.put((request_id, None))
+            return
+        # From here until its first output the engine holds the abort (AsyncEngine).
+        self._tasks[request_id] = asyncio.current_task()  # type: ignore[assignment]
         end: FinishedRequestStats | BaseException | None = None
         try:
             async for out in self.engine.generate(asked):

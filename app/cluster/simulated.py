@@ -20,7 +20,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from app.cluster.replica import Outbox, Relayed, ReplicaBeat
+from app.cluster.link import LinkAddress, ReplicaLinks
+from app.cluster.replica import Outbox, Relayed, ReplicaBeat, link_host
 from app.config import EngineConfig
 from app.engine.engine_request import EngineRequest
 from app.engine.outputs import EngineStats, FinishedRequestStats, ModelInfo, RequestOutput
@@ -62,6 +63,7 @@ class SimulatedReplica:
         self._outboxes: dict[str, Outbox] = {}
         self._steps = 0
         self._ticker: asyncio.Task[None] | None = None
+        self._links = ReplicaLinks(self)
 
     def info(self) -> ModelInfo:
         return self._info
@@ -71,6 +73,9 @@ class SimulatedReplica:
 
     def healthy(self) -> bool:
         return True
+
+    async def open_link(self, front: str, front_ip: str) -> LinkAddress:
+        return await self._links.open(front, link_host(front_ip))
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -118,6 +123,7 @@ class SimulatedReplica:
         pass
 
     async def stop(self) -> None:
+        await self._links.close()
         if self._ticker is not None:
             self._ticker.cancel()
 

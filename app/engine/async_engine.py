@@ -81,6 +81,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
+        # Requests between generate() and their queueing (tokenizing a long prompt,
+        # compiling a grammar): True once aborted meanwhile, so the abort follows the add.
+        self._preparing: dict[str, bool] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._idle_check_s = idle_check_s  # > 0: check_integrity() when idle (debug)
@@ -151,15 +154,22 @@ class AsyncEngine:
         finished = False
         unfinished = seats
         stream: _Stream | None = None
+        preparing = asked.request_id not in self._preparing
+        if preparing:
+            self._preparing[asked.request_id] = False
         try:
             req = await self._make_request(asked)
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             with self._streams_lock:
+                aborted = preparing and self._preparing.pop(req.request_id, False)
+                preparing = False
                 if req.request_id in self._streams:
                     stream = None
                     raise BadParameter(f"request id {req.request_id!r} is already in use", "id")
                 self._streams[req.request_id] = stream
-            self._inbox.put(_Add(req))
+                self._inbox.put(_Add(req))
+                if aborted:  # while it was being prepared: it ends at its first step
+                    self._inbox.put(_Abort(req.request_id))
             self._wake.set()
             while not finished:
                 for item in _merged(await stream.queue.get(), stream.queue):
@@ -169,6 +179,9 @@ class AsyncEngine:
                     finished = unfinished == 0
                     yield item
         finally:
+            if preparing:
+                with self._streams_lock:
+                    self._preparing.pop(asked.request_id, None)
             self.num_in_flight -= seats
             if stream is not None:
                 with self._streams_lock:
@@ -190,6 +203,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the next step. Thread-safe."""
+        with self._streams_lock:
+            if request_id in self._preparing:  # not queued yet: the add puts the abort
+                self._preparing[request_id] = True
+                return
         self._inbox.put(_Abort(request_id))
         self._wake.set()
 

@@ -71,8 +71,9 @@ def test_a_node_removed_mid_reply_leaves_one_continuous_reply(nodes, front):
     c, client = front
     with client.websocket_connect("/ws") as ws:
         sampled = {"temperature": 5.0, "seed": 11}
-        reference = say(ws, "ref", "node-ref", "Tell me about the sea.", 60, **sampled)
-        params = {**sampled, "max_tokens": 60, "ignore_eos": True}
+        reference = say(ws, "ref", "node-ref", "Tell me about the sea.", 300, **sampled)
+        params = {**sampled, "max_tokens": 300, "ignore_eos": True}
+        resumed = c.resumed
         ws.send_json({"type": "chat", "id": "n", "conversation_id": "node-conv",
                       "messages": [{"role": "user", "content": "Tell me about the sea."}],
                       "params": params})  # fmt: skip
@@ -86,8 +87,9 @@ def test_a_node_removed_mid_reply_leaves_one_continuous_reply(nodes, front):
         frames += until_terminal(ws, ["n"])["n"]
     tokens = [f for f in frames if f["type"] == "token"]
     assert [f["seq"] for f in tokens] == list(range(len(tokens)))  # no gap, no duplicate
-    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 60
+    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 300
     assert text_of(frames) == text_of(reference)
+    assert c.resumed == resumed + 1  # it was cut, not finished before the node went
     # Usually nowhere to restart it until a node comes; where Ray has already found room
     # for it, the next test has no lost replica to watch.
     lost = serving if serving not in c.live else None

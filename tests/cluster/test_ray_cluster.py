@@ -91,9 +91,10 @@ def test_a_replica_killed_mid_stream_leaves_one_continuous_reply(cluster):
         # Seeded sampling: the reply goes on as it would have only if the other replica
         # replays the sent tokens through the same random stream.
         sampled = {"temperature": 5.0, "seed": 7}
-        reference = say(ws, "ref", "kill-ref", "Tell me a long story.", 60, **sampled)
+        reference = say(ws, "ref", "kill-ref", "Tell me a long story.", 300, **sampled)
         assert reference[-1]["type"] == "done"
-        params = {"temperature": 5.0, "seed": 7, "max_tokens": 60, "ignore_eos": True}
+        params = {"temperature": 5.0, "seed": 7, "max_tokens": 300, "ignore_eos": True}
+        resumed = c.resumed
         ws.send_json({"type": "chat", "id": "k", "conversation_id": "kill-conv",
                       "messages": [{"role": "user", "content": "Tell me a long story."}],
                       "params": params})  # fmt: skip
@@ -107,8 +108,9 @@ def test_a_replica_killed_mid_stream_leaves_one_continuous_reply(cluster):
     assert [f["seq"] for f in tokens] == list(range(len(tokens)))  # no gap, no duplicate
     done = frames[-1]
     assert done["type"] == "done" and done["finish_reason"] == "length"
-    assert done["usage"]["completion_tokens"] == 60
+    assert done["usage"]["completion_tokens"] == 300
     assert text_of(frames) == text_of(reference)  # the same reply as uninterrupted
+    assert c.resumed == resumed + 1  # it was cut, not finished before the kill
     # Ray restarts the replica; the front takes it back; nothing is left running.
     wait_for(lambda: c.live == {0, 1}, timeout=120)
     assert client.get("/ready").status_code == 200

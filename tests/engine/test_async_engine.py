@@ -84,6 +84,29 @@ def test_abort_ends_the_stream_with_abort(aengine):
     assert all_free(aengine.engine)
 
 
+def test_an_abort_while_the_request_is_prepared_is_not_lost(aengine):
+    """A long prompt is tokenized off the loop before it is queued: an abort that comes
+    meanwhile follows the request in, instead of reaching the engine first and missing."""
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+        prompt = "hello " * 1500  # over INLINE_TEXT_CHARS: tokenized on a thread
+        outs = []
+        stream = aengine.generate(EngineRequest(prompt, params, "early"))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # generate() has begun and is tokenizing
+        assert "early" in aengine._preparing
+        aengine.abort("early")
+        outs.append(await asyncio.wait_for(first, 60))
+        outs += [o async for o in stream]
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert sum(len(o.new_token_ids) for o in outs) < 10_000
+    assert all_free(aengine.engine) and not aengine._preparing
+
+
 def test_cancelled_task_aborts(aengine):
     async def main():
         params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)

@@ -1,0 +1,126 @@
+"""The link between a front and a replica (app/cluster/link.py) on a real loopback
+socket, without Ray: requests in and one frame per step out, a refusal crossing as its
+type, a connection without the key closed unread, and a front that goes away leaving
+nothing running."""
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from app.cluster.link import FrontLink
+from app.cluster.replica import Replica
+from app.cluster.simulated import SimulatedReplica
+from app.engine.engine_request import EngineRequest
+from app.engine.errors import ContextTooLong
+from app.engine.outputs import FinishedRequestStats, RequestOutput
+from app.engine.request import SamplingParams
+from tests.tiny import tiny_parts
+
+
+async def read_until_ended(link: FrontLink, request_ids) -> list[list]:
+    frames: list[list] = []
+    ended: set[str] = set()
+    batches = link.batches()
+    while not set(request_ids) <= ended:
+        batch = await asyncio.wait_for(anext(batches), 60)
+        frames.append(batch)
+        ended |= {rid for rid, item in batch if not isinstance(item, RequestOutput)}
+    return frames
+
+
+def test_requests_go_in_and_each_step_comes_out_as_one_frame(tokenizer):
+    async def main():
+        replica = SimulatedReplica(*tiny_parts(tokenizer), 200.0)
+        try:
+            link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+            for rid in ("a", "b"):
+                link.submit(EngineRequest([1, 2, 3], SamplingParams(max_tokens=6), rid))
+            frames = await read_until_ended(link, ["a", "b"])
+            link.close()
+            return frames
+        finally:
+            await replica.stop()
+
+    frames = asyncio.run(main())
+    outputs = [item for batch in frames for _, item in batch if isinstance(item, RequestOutput)]
+    assert len(outputs) == 12 and sum(len(o.new_token_ids) for o in outputs) == 12
+    assert all(len({rid for rid, _ in batch}) == 2 for batch in frames)  # a step, one frame
+    ends = [item for batch in frames for _, item in batch if not isinstance(item, RequestOutput)]
+    assert len(ends) == 2 and all(isinstance(e, FinishedRequestStats) for e in ends)
+
+
+def test_a_refusal_crosses_the_link_as_its_type_and_an_abort_follows_its_submit(tokenizer):
+    async def main():
+        replica = Replica(*tiny_parts(tokenizer))
+        try:
+            link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+            link.submit(EngineRequest([1] * 5000, SamplingParams(max_tokens=1), "long"))
+            endless = SamplingParams(max_tokens=1000, ignore_eos=True)
+            link.submit(EngineRequest([1, 2, 3], endless, "cut"))
+            link.abort("cut")  # right behind its submit, on the same connection
+            frames = await read_until_ended(link, ["long", "cut"])
+            link.close()
+            return frames
+        finally:
+            await replica.stop()
+
+    frames = asyncio.run(main())
+    by_request: dict[str, list] = {}
+    for batch in frames:
+        for rid, item in batch:
+            by_request.setdefault(rid, []).append(item)
+    refusal = by_request["long"][-1]
+    assert isinstance(refusal, ContextTooLong) and refusal.num_tokens == 5000
+    cut = [o for o in by_request["cut"] if isinstance(o, RequestOutput)]
+    assert sum(len(o.new_token_ids) for o in cut) < 1000
+
+
+@pytest.mark.parametrize("key", [b"", b"x" * 32])
+def test_a_connection_without_the_key_is_closed_unread(tokenizer, key):
+    async def main():
+        replica = SimulatedReplica(*tiny_parts(tokenizer), 200.0)
+        try:
+            address = await replica._links.open("front", "127.0.0.1")
+            intruder = await FrontLink.connect(dataclasses.replace(address, key=key))
+            if not key:
+                intruder.close()  # said nothing at all
+            else:
+                intruder.submit(EngineRequest([1, 2, 3], SamplingParams(max_tokens=5), "x"))
+                assert await asyncio.wait_for(intruder.reader.read(), 30) == b""  # closed
+            await asyncio.sleep(0.1)
+            refused = dict(replica._running)
+            # The front with the key still gets through afterwards.
+            link = await FrontLink.connect(address)
+            link.submit(EngineRequest([1, 2, 3], SamplingParams(max_tokens=2), "ok"))
+            frames = await read_until_ended(link, ["ok"])
+            link.close()
+            return refused, frames
+        finally:
+            await replica.stop()
+
+    refused, frames = asyncio.run(main())
+    assert refused == {}  # nothing the intruder sent was unpickled or run
+    assert any(rid == "ok" for batch in frames for rid, _ in batch)
+
+
+def test_a_front_that_goes_away_leaves_nothing_running(tokenizer):
+    async def main():
+        replica = SimulatedReplica(*tiny_parts(tokenizer), 200.0)
+        try:
+            link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+            link.submit(EngineRequest([1, 2, 3], SamplingParams(max_tokens=100_000), "long"))
+            batches = link.batches()
+            await asyncio.wait_for(anext(batches), 30)  # it runs
+            running = set(replica._running)
+            link.close()
+            for _ in range(100):  # aborted: gone at the replica's next step
+                await asyncio.sleep(0.05)
+                if not replica._running:
+                    break
+            return running, set(replica._running)
+        finally:
+            await replica.stop()
+
+    running, after = asyncio.run(main())
+    assert running == {"long"} and after == set()
