@@ -164,7 +164,12 @@ class RayCluster:
         # It may have pins on any replica it visited (all, once forgotten which).
         visited = self._visited.pop(session_id, self.live)
         for replica in visited & self.live:
-            self.replicas[replica].release_session.remote(session_id)
+            link = self._open_link(replica)
+            if link is None:
+                self.replicas[replica].release_session.remote(session_id)
+            else:
+                with contextlib.suppress(ConnectionError):
+                    link.release_session(session_id)
         self.router.forget(session_id)
 
     def stats(self) -> EngineStats:

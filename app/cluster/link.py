@@ -12,6 +12,7 @@ address) and hands back the address with a fresh random key. The front connects 
 the key first; anything else is closed unread. Then:
 
     front -> replica   ("submit", EngineRequest) | ("abort", request id)
+                       | ("release", session id): its pinned K/V may go
     replica -> front   list[Relayed]: what the replica produced since the previous frame
 
 Each frame is a 4-byte big-endian length and a pickle. The key is what lets the replica
@@ -73,6 +74,7 @@ class LinkBody(Protocol):
 
     def submit(self, front: str, asked: EngineRequest) -> None: ...
     def abort(self, request_id: str) -> None: ...
+    def release_session(self, session_id: str) -> None: ...
     def stream(self, front: str) -> AsyncIterator[list[Any]]: ...
 
 
@@ -144,6 +146,8 @@ class ReplicaLinks:
                     self._body.submit(front, payload)
                 elif kind == "abort":
                     self._body.abort(payload)
+                elif kind == "release":
+                    self._body.release_session(payload)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front went away
         finally:
@@ -183,6 +187,9 @@ class FrontLink:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def release_session(self, session_id: str) -> None:
+        self._send(("release", session_id))
 
     async def batches(self) -> AsyncIterator[list[Any]]:
         """Every frame the replica sends, until the connection ends."""

@@ -143,9 +143,10 @@ class TurnStream:
         self._wake()
         return seq
 
-    async def sent(self) -> None:
-        """Wait until the attached sink has every frame so far (at once when detached)."""
-        while self._sink is not None and self._cursor < self.next_seq:
+    async def sent(self, unsent: int = 0) -> None:
+        """Wait until the attached sink is at most `unsent` frames behind (at once when
+        detached)."""
+        while self._sink is not None and self._cursor + unsent < self.next_seq:
             await self._wait()
 
     async def ended(self) -> None:

@@ -322,7 +322,10 @@ class TurnRun:
             self.stream.set_start(start)
         self.reply.append(text)
         self.stream.push(text, out.completion_tokens)
-        await self.stream.sent()
+        # One frame may be on its way while the next output comes: waiting for each send
+        # would cost every token a round of the loop. A socket slower than that makes the
+        # outputs queue and merge at the engine's end (fewer, larger frames).
+        await self.stream.sent(unsent=1)
         return True
 
     def _unseen(self, text: str) -> str:

@@ -124,3 +124,25 @@ def test_a_front_that_goes_away_leaves_nothing_running(tokenizer):
 
     running, after = asyncio.run(main())
     assert running == {"long"} and after == set()
+
+
+def test_a_session_released_over_the_link_lets_its_pinned_blocks_go(tokenizer):
+    async def main():
+        replica = Replica(*tiny_parts(tokenizer))
+        try:
+            link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+            params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+            link.submit(EngineRequest(list(range(1, 40)), params, "t1", session_id="conv"))
+            await read_until_ended(link, ["t1"])
+            pinned = replica.engine.stats().sessions_pinned
+            link.release_session("conv")
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if replica.engine.stats().sessions_pinned == 0:
+                    break
+            link.close()
+            return pinned, replica.engine.stats().sessions_pinned
+        finally:
+            await replica.stop()
+
+    assert asyncio.run(main()) == (1, 0)
