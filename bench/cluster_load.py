@@ -46,11 +46,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU time of each of a process's threads, summed by thread name."""
+    by_name: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        by_name[name] = by_name.get(name, 0.0) + seconds
+    return by_name
+
+
 def load(url: str, args, out: Path, kill_after: float | None = None, front: int = 0) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "ws_load.py"), "--url",
            url.replace("http", "ws") + "/ws", "--users", str(args.users), "--turns",
            str(args.turns), "--think", "0", "--out", str(out), "--timeout", "1800"]  # fmt: skip
     before = cpu_seconds(front) if front else 0.0
+    threads_before = thread_seconds(front) if front else {}
     client = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     if kill_after is not None:
         time.sleep(kill_after)
@@ -60,6 +76,11 @@ def load(url: str, args, out: Path, kill_after: float | None = None, front: int 
     client.wait()
     result = json.loads(out.read_text())["runs"]["reuse"]
     result["front_cpu_s"] = cpu_seconds(front) - before if front else None
+    if front:
+        after = thread_seconds(front)
+        result["front_threads_s"] = {
+            name: t - threads_before.get(name, 0.0) for name, t in after.items()
+        }
     return result
 
 
@@ -73,6 +94,9 @@ def describe(kind: str, s: dict) -> None:
         tokens = s["output_tokens"]
         print(f"          the front process: {s['front_cpu_s']:.1f} s of CPU for {tokens} "
               f"output tokens, {s['front_cpu_s'] / tokens * 1e6:.0f} us a token")  # fmt: skip
+        busiest = sorted(s["front_threads_s"].items(), key=lambda kv: -kv[1])[:4]
+        print("          by thread: " + ", ".join(
+            f"{name} {t / tokens * 1e6:.0f} us" for name, t in busiest if t > 0))  # fmt: skip
 
 
 def main() -> None:
