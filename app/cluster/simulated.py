@@ -1,4 +1,5 @@
-"""A simulated replica: the replica's Ray surface without a model, for measuring the front.
+"""A simulated replica: the replica's surface (Ray calls, the link) without a model, for
+measuring the front.
 
 Every `1 / steps_per_s` seconds one "step" gives each running request one token (a
 fixed token id and its text) and queues the step's outputs for the front exactly as a
@@ -7,8 +8,7 @@ work while the replicas cost next to nothing. A request ends after its max_token
 (DEFAULT_TOKENS without one); an abort ends it at the next step. Its tokenizer is the
 configured model's (the front builds chat prompts with it); its weights stay on disk.
 
-It also answers the older per-request protocol (`generate`, one Ray item per output),
-so a benchmark can run the same load through a front that relays per request.
+(`bench/cluster_load.py --root OLD_CHECKOUT` compares fronts: each checkout runs its own.)
 """
 
 from __future__ import annotations
@@ -99,20 +99,6 @@ class SimulatedReplica:
             box = self._outboxes[front] = Outbox()
         while True:
             yield await box.take()
-
-    async def generate(
-        self, asked: EngineRequest
-    ) -> AsyncIterator[RequestOutput | FinishedRequestStats]:
-        """The per-request protocol: this request's outputs, then its stats."""
-        queue: asyncio.Queue[Relayed] = asyncio.Queue()
-        self._add(asked.request_id, asked.session_id, len(asked.prompt), asked.params,
-                  queue.put_nowait)  # fmt: skip
-        while True:
-            _, item = await queue.get()
-            if isinstance(item, FinishedRequestStats):
-                yield item
-                return
-            yield item
 
     def abort(self, request_id: str) -> None:
         request = self._running.get(request_id)

@@ -146,3 +146,14 @@ def test_a_session_released_over_the_link_lets_its_pinned_blocks_go(tokenizer):
             await replica.stop()
 
     assert asyncio.run(main()) == (1, 0)
+
+
+def test_a_replica_listens_on_loopback_for_a_front_on_its_node_else_on_its_address(
+    monkeypatch,
+):
+    ray = pytest.importorskip("ray")
+    from app.cluster.replica import link_host
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.7")
+    assert link_host("192.0.2.7") == "127.0.0.1"  # the same node: never off the machine
+    assert link_host("192.0.2.8") == "192.0.2.7"  # another node reaches it at its address
