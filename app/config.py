@@ -275,6 +275,10 @@ class ClusterConfig:
     rebalance_threshold: int = 4  # a conversation leaves its replica past this extra load
     # A prompt without a routing key goes by cached prefix when it shares this many blocks.
     min_prefix_blocks: int = 2
+    # A replica that has answered no heartbeat for this long (stalled: stopped, swapping,
+    # its node cut off) while serving requests gives them up: they resume on another
+    # replica, and it takes new ones again once it answers.
+    stall_s: float = 20.0
     # Benchmarks: replicas without a model that step this many times a second (one token
     # per running request each step), to measure the front alone. None: real engines.
     simulate_steps_per_s: float | None = None
@@ -282,6 +286,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.simulate_steps_per_s is not None and self.simulate_steps_per_s <= 0:
             raise ValueError("simulate_steps_per_s must be > 0")
+        if self.stall_s <= 0:
+            raise ValueError("stall_s must be > 0")
         if self.min_prefix_blocks < 1:
             raise ValueError("min_prefix_blocks must be at least 1")
         if self.replicas < 1:

@@ -115,6 +115,8 @@ class RayCluster:
         self._relays: dict[int, asyncio.Task[None]] = {}  # replica -> its link's reader
         self._links: dict[int, asyncio.Future[FrontLink]] = {}  # replica -> its link
         self._lost_at: dict[int, float] = {}  # replica -> when its stream last broke
+        self._answered_at = dict.fromkeys(range(n), time.monotonic())  # its last heartbeat
+        self._stall_s = cluster.stall_s
         self._visited: OrderedDict[str, set[int]] = OrderedDict()  # session -> its replicas
         self.live: set[int] = set(range(n))
         self.in_flight = dict.fromkeys(range(n), 0)
@@ -265,7 +267,8 @@ class RayCluster:
                 self.resumed += 1
                 self._lost(replica)
                 log.warning(
-                    "replica %d died serving %s; resuming it elsewhere after %d tokens",
+                    "replica %d was lost (died or stalled) serving %s; resuming it "
+                    "elsewhere after %d tokens",
                     replica, request_id, len(sent),
                 )  # fmt: skip
                 if tried > len(self.replicas):
@@ -394,32 +397,43 @@ class RayCluster:
                 self._inboxes[request_id].put_nowait(_GONE)
 
     async def _watch(self) -> None:
-        """Ping every replica: who is live (a restarted actor comes back), and their
-        counters for /metrics."""
+        """Ping every replica (all at once: one that does not answer delays none of the
+        others): who is live (a restarted actor comes back), and their counters for
+        /metrics."""
         while True:
-            for i, replica in enumerate(self.replicas):
-                asked = time.monotonic()
-                try:
-                    beat: ReplicaBeat = await asyncio.wait_for(
-                        _await(replica.heartbeat.remote(PUBLISHED_BLOCKS)), PING_TIMEOUT_S
-                    )
-                except TimeoutError:  # busy, or on its way out: route around it for now
-                    if i in self.live:
-                        log.warning("engine replica %d is not answering", i)
-                    self.live.discard(i)
-                    continue
-                except REPLICA_GONE:
-                    self._lost(i)
-                    continue
-                if self._lost_at.get(i, 0.0) > asked:
-                    continue  # it answered before it was lost: not a sign of life
-                self._relay(i)
-                if i not in self.live:
-                    log.info("engine replica %d is live", i)
-                self.live.add(i)
-                self._stats[i] = beat.stats
-                self.router.publish(i, beat.block_hashes)
+            await asyncio.gather(*(self._ping(i) for i in range(len(self.replicas))))
             await asyncio.sleep(MONITOR_INTERVAL_S)
+
+    async def _ping(self, i: int) -> None:
+        asked = time.monotonic()
+        try:
+            beat: ReplicaBeat = await asyncio.wait_for(
+                _await(self.replicas[i].heartbeat.remote(PUBLISHED_BLOCKS)), PING_TIMEOUT_S
+            )
+        except TimeoutError:  # busy, stalled, or on its way out: route around it for now
+            if i in self.live:
+                log.warning("engine replica %d is not answering", i)
+            self.live.discard(i)
+            silent = time.monotonic() - self._answered_at[i]
+            if silent >= self._stall_s and i in self._where.values():
+                log.warning(
+                    "engine replica %d has not answered for %.0f s; its requests resume "
+                    "on another replica", i, silent,
+                )  # fmt: skip
+                self._lost(i)
+            return
+        except REPLICA_GONE:
+            self._lost(i)
+            return
+        self._answered_at[i] = time.monotonic()
+        if self._lost_at.get(i, 0.0) > asked:
+            return  # it answered before it was lost: not a sign of life
+        self._relay(i)
+        if i not in self.live:
+            log.info("engine replica %d is live", i)
+        self.live.add(i)
+        self._stats[i] = beat.stats
+        self.router.publish(i, beat.block_hashes)
 
 
 async def _await(ref: Any) -> Any:

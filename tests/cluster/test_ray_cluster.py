@@ -24,7 +24,8 @@ from tests.tiny import tiny_parts  # noqa: E402
 @pytest.fixture(scope="module")
 def cluster(tokenizer):
     config, loaded = tiny_parts(tokenizer, num_blocks=512)
-    c = RayCluster(config, ClusterConfig(replicas=2, threads_per_replica=1), loaded)
+    # A replica that misses one heartbeat (5 s) while serving is stalled, for the SIGSTOP test.
+    c = RayCluster(config, ClusterConfig(replicas=2, threads_per_replica=1, stall_s=1.0), loaded)
     with TestClient(create_app(engine=c, server_config=for_testclient())) as client:
         yield c, client
     assert not ray.is_initialized()  # stop() shut the cluster it started
@@ -114,6 +115,39 @@ def test_a_replica_killed_mid_stream_leaves_one_continuous_reply(cluster):
     # Ray restarts the replica; the front takes it back; nothing is left running.
     wait_for(lambda: c.live == {0, 1}, timeout=120)
     assert client.get("/ready").status_code == 200
+    wait_for(lambda: c.stats().num_running == 0 and c.stats().num_waiting == 0)
+
+
+def test_a_stalled_replica_gives_its_reply_up_and_comes_back(cluster):
+    """SIGSTOP (a process that keeps its sockets and answers nothing): the reply goes on
+    from another replica once the stall is seen, the same reply as uninterrupted; after
+    SIGCONT the replica takes work again and runs nothing for the reply it gave up."""
+    c, client = cluster
+    with client.websocket_connect("/ws") as ws:
+        sampled = {"temperature": 5.0, "seed": 5}
+        reference = say(ws, "sref", "stall-ref", "Tell me about mountains.", 300, **sampled)
+        params = {**sampled, "max_tokens": 300, "ignore_eos": True}
+        resumed = c.resumed
+        ws.send_json({"type": "chat", "id": "st", "conversation_id": "stall-conv",
+                      "messages": [{"role": "user", "content": "Tell me about mountains."}],
+                      "params": params})  # fmt: skip
+        frames = []
+        while len([f for f in frames if f["type"] == "token"]) < 10:
+            frames.append(ws.receive_json())
+        (serving,) = set(c._where.values())
+        pid = ray.get(c.replicas[serving].pid.remote())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            frames += until_terminal(ws, ["st"])["st"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    tokens = [f for f in frames if f["type"] == "token"]
+    assert [f["seq"] for f in tokens] == list(range(len(tokens)))  # no gap, no duplicate
+    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 300
+    assert text_of(frames) == text_of(reference)
+    assert c.resumed == resumed + 1
+    wait_for(lambda: c.live == {0, 1}, timeout=60)  # the same process, back
+    assert ray.get(c.replicas[serving].pid.remote()) == pid
     wait_for(lambda: c.stats().num_running == 0 and c.stats().num_waiting == 0)
 
 
