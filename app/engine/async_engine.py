@@ -154,9 +154,10 @@ class AsyncEngine:
         finished = False
         unfinished = seats
         stream: _Stream | None = None
-        preparing = asked.request_id not in self._preparing
-        if preparing:
-            self._preparing[asked.request_id] = False
+        with self._streams_lock:  # abort() reads it from any thread
+            preparing = asked.request_id not in self._preparing
+            if preparing:
+                self._preparing[asked.request_id] = False
         try:
             req = await self._make_request(asked)
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
