@@ -4,6 +4,7 @@ type, a connection without the key closed unread, and a front that goes away lea
 nothing running."""
 
 import asyncio
+import contextlib
 import dataclasses
 
 import pytest
@@ -29,18 +30,28 @@ async def read_until_ended(link: FrontLink, request_ids) -> list[list]:
     return frames
 
 
+@contextlib.asynccontextmanager
+async def linked(replica):
+    """A front's link to `replica` on loopback; the link closed and the replica stopped
+    after."""
+    try:
+        link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+        try:
+            yield link
+        finally:
+            link.close()
+    finally:
+        await replica.stop()
+
+
 def test_requests_go_in_and_each_step_comes_out_as_one_frame(tokenizer):
     async def main():
         replica = SimulatedReplica(*tiny_parts(tokenizer), 200.0)
-        try:
-            link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+        async with linked(replica) as link:
             for rid in ("a", "b"):
                 link.submit(EngineRequest([1, 2, 3], SamplingParams(max_tokens=6), rid))
             frames = await read_until_ended(link, ["a", "b"])
-            link.close()
             return frames
-        finally:
-            await replica.stop()
 
     frames = asyncio.run(main())
     outputs = [item for batch in frames for _, item in batch if isinstance(item, RequestOutput)]
@@ -53,17 +64,13 @@ def test_requests_go_in_and_each_step_comes_out_as_one_frame(tokenizer):
 def test_a_refusal_crosses_the_link_as_its_type_and_an_abort_follows_its_submit(tokenizer):
     async def main():
         replica = Replica(*tiny_parts(tokenizer))
-        try:
-            link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+        async with linked(replica) as link:
             link.submit(EngineRequest([1] * 5000, SamplingParams(max_tokens=1), "long"))
             endless = SamplingParams(max_tokens=1000, ignore_eos=True)
             link.submit(EngineRequest([1, 2, 3], endless, "cut"))
             link.abort("cut")  # right behind its submit, on the same connection
             frames = await read_until_ended(link, ["long", "cut"])
-            link.close()
             return frames
-        finally:
-            await replica.stop()
 
     frames = asyncio.run(main())
     by_request: dict[str, list] = {}
@@ -107,8 +114,7 @@ def test_a_connection_without_the_key_is_closed_unread(tokenizer, key):
 def test_a_front_that_goes_away_leaves_nothing_running(tokenizer):
     async def main():
         replica = SimulatedReplica(*tiny_parts(tokenizer), 200.0)
-        try:
-            link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+        async with linked(replica) as link:
             link.submit(EngineRequest([1, 2, 3], SamplingParams(max_tokens=100_000), "long"))
             batches = link.batches()
             await asyncio.wait_for(anext(batches), 30)  # it runs
@@ -119,8 +125,6 @@ def test_a_front_that_goes_away_leaves_nothing_running(tokenizer):
                 if not replica._running:
                     break
             return running, set(replica._running)
-        finally:
-            await replica.stop()
 
     running, after = asyncio.run(main())
     assert running == {"long"} and after == set()
@@ -129,8 +133,7 @@ def test_a_front_that_goes_away_leaves_nothing_running(tokenizer):
 def test_a_session_released_over_the_link_lets_its_pinned_blocks_go(tokenizer):
     async def main():
         replica = Replica(*tiny_parts(tokenizer))
-        try:
-            link = await FrontLink.connect(await replica._links.open("front", "127.0.0.1"))
+        async with linked(replica) as link:
             params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
             link.submit(EngineRequest(list(range(1, 40)), params, "t1", session_id="conv"))
             await read_until_ended(link, ["t1"])
@@ -140,10 +143,7 @@ def test_a_session_released_over_the_link_lets_its_pinned_blocks_go(tokenizer):
                 await asyncio.sleep(0.02)
                 if replica.engine.stats().sessions_pinned == 0:
                     break
-            link.close()
             return pinned, replica.engine.stats().sessions_pinned
-        finally:
-            await replica.stop()
 
     assert asyncio.run(main()) == (1, 0)
 

@@ -19,9 +19,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from app.cluster.cluster import RayCluster  # noqa: E402
 from app.config import ClusterConfig  # noqa: E402
 from app.server.app import create_app  # noqa: E402
-from tests.cluster.test_ray_cluster import say, wait_for  # noqa: E402
+from tests.cluster.test_ray_cluster import cut_mid_reply, say, wait_for  # noqa: E402
 from tests.redis_server import free_port  # noqa: E402
-from tests.server.test_ws_fake import text_of, until_terminal  # noqa: E402
 from tests.server.testclient import for_testclient  # noqa: E402
 from tests.tiny import tiny_parts  # noqa: E402
 
@@ -69,27 +68,14 @@ def test_replicas_land_on_distinct_nodes(nodes, front):
 def test_a_node_removed_mid_reply_leaves_one_continuous_reply(nodes, front):
     cluster, workers = nodes
     c, client = front
-    with client.websocket_connect("/ws") as ws:
-        sampled = {"temperature": 5.0, "seed": 11}
-        reference = say(ws, "ref", "node-ref", "Tell me about the sea.", 300, **sampled)
-        params = {**sampled, "max_tokens": 300, "ignore_eos": True}
-        resumed = c.resumed
-        ws.send_json({"type": "chat", "id": "n", "conversation_id": "node-conv",
-                      "messages": [{"role": "user", "content": "Tell me about the sea."}],
-                      "params": params})  # fmt: skip
-        frames = []
-        while len([f for f in frames if f["type"] == "token"]) < 10:
-            frames.append(ws.receive_json())
-        (serving,) = set(c._where.values())
-        doomed = next(w for w in workers if w.node_id == node_of(c, serving))
+
+    def remove_its_node(replica):
+        doomed = next(w for w in workers if w.node_id == node_of(c, replica))
         cluster.remove_node(doomed, allow_graceful=False)  # the machine, not the actor
         workers.remove(doomed)
-        frames += until_terminal(ws, ["n"])["n"]
-    tokens = [f for f in frames if f["type"] == "token"]
-    assert [f["seq"] for f in tokens] == list(range(len(tokens)))  # no gap, no duplicate
-    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 300
-    assert text_of(frames) == text_of(reference)
-    assert c.resumed == resumed + 1  # it was cut, not finished before the node went
+
+    with client.websocket_connect("/ws") as ws:
+        serving = cut_mid_reply(c, ws, "node", "Tell me about the sea.", 11, remove_its_node)
     # Usually nowhere to restart it until a node comes; where Ray has already found room
     # for it, the next test has no lost replica to watch.
     lost = serving if serving not in c.live else None

@@ -86,32 +86,47 @@ def test_cancel_crosses_the_actor_boundary(cluster):
     wait_for(lambda: c.stats().num_running == 0)
 
 
-def test_a_replica_killed_mid_stream_leaves_one_continuous_reply(cluster):
-    c, client = cluster
-    with client.websocket_connect("/ws") as ws:
-        # Seeded sampling: the reply goes on as it would have only if the other replica
-        # replays the sent tokens through the same random stream.
-        sampled = {"temperature": 5.0, "seed": 7}
-        reference = say(ws, "ref", "kill-ref", "Tell me a long story.", 300, **sampled)
-        assert reference[-1]["type"] == "done"
-        params = {"temperature": 5.0, "seed": 7, "max_tokens": 300, "ignore_eos": True}
-        resumed = c.resumed
-        ws.send_json({"type": "chat", "id": "k", "conversation_id": "kill-conv",
-                      "messages": [{"role": "user", "content": "Tell me a long story."}],
-                      "params": params})  # fmt: skip
-        frames = []
-        while len([f for f in frames if f["type"] == "token"]) < 10:
-            frames.append(ws.receive_json())
-        (serving,) = set(c._where.values())
-        os.kill(ray.get(c.replicas[serving].pid.remote()), signal.SIGKILL)
-        frames += until_terminal(ws, ["k"])["k"]
+def cut_mid_reply(c, ws, name, text, seed, fault):
+    """Send a seeded 300-token reply, call `fault(replica)` on the replica serving it after
+    10 tokens, and check the client saw one continuous reply equal to an uninterrupted one
+    (the other replica replays the sent tokens through the same random stream). `fault` may
+    return a callable that undoes it, called once the reply is done. Returns the replica."""
+    sampled = {"temperature": 5.0, "seed": seed}
+    reference = say(ws, f"{name}-ref", f"{name}-ref", text, 300, **sampled)
+    assert reference[-1]["type"] == "done"
+    params = {**sampled, "max_tokens": 300, "ignore_eos": True}
+    resumed = c.resumed
+    ws.send_json({"type": "chat", "id": name, "conversation_id": f"{name}-conv",
+                  "messages": [{"role": "user", "content": text}],
+                  "params": params})  # fmt: skip
+    frames = []
+    while len([f for f in frames if f["type"] == "token"]) < 10:
+        frames.append(ws.receive_json())
+    (serving,) = set(c._where.values())
+    undo = fault(serving)
+    try:
+        frames += until_terminal(ws, [name])[name]
+    finally:
+        if undo is not None:
+            undo()
     tokens = [f for f in frames if f["type"] == "token"]
     assert [f["seq"] for f in tokens] == list(range(len(tokens)))  # no gap, no duplicate
     done = frames[-1]
     assert done["type"] == "done" and done["finish_reason"] == "length"
     assert done["usage"]["completion_tokens"] == 300
     assert text_of(frames) == text_of(reference)  # the same reply as uninterrupted
-    assert c.resumed == resumed + 1  # it was cut, not finished before the kill
+    assert c.resumed == resumed + 1  # it was cut, not finished before the fault
+    return serving
+
+
+def test_a_replica_killed_mid_stream_leaves_one_continuous_reply(cluster):
+    c, client = cluster
+
+    def kill(replica):
+        os.kill(ray.get(c.replicas[replica].pid.remote()), signal.SIGKILL)
+
+    with client.websocket_connect("/ws") as ws:
+        cut_mid_reply(c, ws, "kill", "Tell me a long story.", 7, kill)
     # Ray restarts the replica; the front takes it back; nothing is left running.
     wait_for(lambda: c.live == {0, 1}, timeout=120)
     assert client.get("/ready").status_code == 200
@@ -123,31 +138,17 @@ def test_a_stalled_replica_gives_its_reply_up_and_comes_back(cluster):
     from another replica once the stall is seen, the same reply as uninterrupted; after
     SIGCONT the replica takes work again and runs nothing for the reply it gave up."""
     c, client = cluster
-    with client.websocket_connect("/ws") as ws:
-        sampled = {"temperature": 5.0, "seed": 5}
-        reference = say(ws, "sref", "stall-ref", "Tell me about mountains.", 300, **sampled)
-        params = {**sampled, "max_tokens": 300, "ignore_eos": True}
-        resumed = c.resumed
-        ws.send_json({"type": "chat", "id": "st", "conversation_id": "stall-conv",
-                      "messages": [{"role": "user", "content": "Tell me about mountains."}],
-                      "params": params})  # fmt: skip
-        frames = []
-        while len([f for f in frames if f["type"] == "token"]) < 10:
-            frames.append(ws.receive_json())
-        (serving,) = set(c._where.values())
-        pid = ray.get(c.replicas[serving].pid.remote())
+    pids = {}
+
+    def stall(replica):
+        pid = pids[replica] = ray.get(c.replicas[replica].pid.remote())
         os.kill(pid, signal.SIGSTOP)
-        try:
-            frames += until_terminal(ws, ["st"])["st"]
-        finally:
-            os.kill(pid, signal.SIGCONT)
-    tokens = [f for f in frames if f["type"] == "token"]
-    assert [f["seq"] for f in tokens] == list(range(len(tokens)))  # no gap, no duplicate
-    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 300
-    assert text_of(frames) == text_of(reference)
-    assert c.resumed == resumed + 1
+        return lambda: os.kill(pid, signal.SIGCONT)
+
+    with client.websocket_connect("/ws") as ws:
+        serving = cut_mid_reply(c, ws, "stall", "Tell me about mountains.", 5, stall)
     wait_for(lambda: c.live == {0, 1}, timeout=60)  # the same process, back
-    assert ray.get(c.replicas[serving].pid.remote()) == pid
+    assert ray.get(c.replicas[serving].pid.remote()) == pids[serving]
     wait_for(lambda: c.stats().num_running == 0 and c.stats().num_waiting == 0)
 
 
