@@ -84,14 +84,17 @@ def over_ws(server: Server, tokens: int) -> float:
         stamps = []
         async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
             params = {"temperature": 0, "max_tokens": tokens, "ignore_eos": True}
-            await ws.send(json.dumps({"type": "chat", "id": "t", "content": QUESTION,
+            messages = [{"role": "user", "content": QUESTION}]  # a new conversation's history
+            await ws.send(json.dumps({"type": "chat", "id": "t", "messages": messages,
                                       "conversation_id": os.urandom(8).hex(), "cache": False,
                                       "params": params}))  # fmt: skip
             while True:
                 frame = json.loads(await ws.recv())
                 if frame["type"] == "token":
                     stamps.append(time.perf_counter())
-                elif frame["type"] in ("done", "error"):
+                elif frame["type"] == "error":
+                    raise RuntimeError(f"/ws refused the turn: {frame}")
+                elif frame["type"] == "done":
                     break
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
