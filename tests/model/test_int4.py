@@ -116,6 +116,34 @@ def test_parleys_kernel_gives_a_row_the_same_bits_in_any_batch_and_thread_count(
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_the_kernels_group_sums_add_each_groups_inputs_in_order(rows, parley_kernels):
+    """The zero-point term m_b * sum(x of group b) takes each group's sum in order in fp32
+    (x[32b] first), however many groups are summed at once (16 at a time on AVX-512, the
+    rest one by one). With every scale 0 and every zero 1 the output is exactly those sums
+    added in order; inputs of very different sizes make any other order round apart."""
+    g = torch.Generator().manual_seed(6)
+    k = 96
+    probe = Int4Weight(
+        Int4Weight.pack_codes(torch.zeros(16, k, dtype=torch.uint8)),
+        torch.zeros(16, k // GROUP),
+        torch.ones(16, k // GROUP),
+    )
+    layer = Int4Linear(probe, None, torch.bfloat16, "parley")
+    x = torch.randn(rows, k, generator=g) * 10.0 ** torch.randint(-4, 5, (rows, k), generator=g)
+    x = x.bfloat16()
+    want = np.zeros(rows, dtype=np.float32)
+    for r in range(rows):
+        for b in range(k // GROUP):
+            s = np.float32(0)
+            for v in x[r, b * GROUP : (b + 1) * GROUP].float().numpy():
+                s = np.float32(s + v)
+            want[r] = np.float32(want[r] + s)
+    got = torch.ops.parley.q4_matmul(x, layer.codes, layer.d, layer.m, torch.float32)
+    assert np.array_equal(got[:, 0].numpy(), want)
+    assert torch.equal(got, got[:, :1].expand(-1, 16))
+
+
 def test_bf16_activations_differ_only_by_bf16_rounding():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(64, 256, generator=g), torch.randn(5, 256, generator=g)

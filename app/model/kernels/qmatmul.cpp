@@ -67,12 +67,33 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// The group sums of x: xsum[b] = x[32b] + x[32b + 1] + ... in order, in fp32.
-inline void group_sums(const uint16_t* x, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / kGroup; ++b) {
+// The group sums of x, its M x K words taken as G = M x K / 32 groups of 32 in a row:
+// out[g] = x[32g] + x[32g + 1] + ... in order, in fp32. On AVX-512, 16 groups' sums advance
+// together, each lane gathering its group's next two words: one sum at a time waited on
+// its 32 dependent adds, and a prompt's sums took a third of the matmul's time at 2
+// threads (0.7 ms of 2.1 for 1,536 rows of a 576 x 576 linear), before its threads started.
+inline void group_sums(const uint16_t* x, int64_t G, float* out) {
+  int64_t g = 0;
+#if defined(__AVX512F__)
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(kGroup / 2));  // a lane's first pair of words, in 32-bit units
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (; g + 16 <= G; g += 16) {
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(x + g * kGroup);
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kGroup / 2; ++j) {
+      const __m512i v = _mm512_i32gather_epi32(lanes, pairs + j, 4);
+      s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));  // word 2j
+      s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_and_si512(v, high)));  // word 2j + 1
+    }
+    _mm512_storeu_ps(out + g, s);
+  }
+#endif
+  for (; g < G; ++g) {
     float s = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) s += bf16_to_float(x[b * kGroup + j]);
-    out[b] = s;
+    for (int64_t j = 0; j < kGroup; ++j) s += bf16_to_float(x[g * kGroup + j]);
+    out[g] = s;
   }
 }
 
@@ -435,7 +456,9 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   if (M == 0 || N == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>());
   std::vector<float> xs(M * KB);
-  for (int64_t r = 0; r < M; ++r) group_sums(xp + r * K, K, xs.data() + r * KB);
+  at::parallel_for(0, M * KB, 1024, [&](int64_t g0, int64_t g1) {
+    group_sums(xp + g0 * kGroup, g1 - g0, xs.data() + g0);
+  });
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
   const c10::Half* mp = m.data_ptr<c10::Half>();
