@@ -361,11 +361,13 @@ def main() -> None:
     if args.quick:
         args.repeats, args.tokens = 1, 48
     model_flags = ["--model", args.gguf] if args.gguf else []  # Parley: the same file
-    if args.gguf is None:
-        from app.config import default_cache_dir
-        from app.model.registry import default_model_path
+    from app.config import default_cache_dir
+    from app.model.registry import default_model_path, known_model, model_path
 
+    if args.gguf is None:
         args.gguf = str(default_model_path(default_cache_dir()))
+    elif not Path(args.gguf).exists() and known_model(args.gguf):  # a registry name
+        args.gguf = str(model_path(known_model(args.gguf), default_cache_dir()))  # llama: a file
 
     llama_port, parley_port = free_port(), free_port()
     llama_cmd = [args.llama_server, "-m", args.gguf, "-t", "2", "-tb", "2", "-np", "32",
