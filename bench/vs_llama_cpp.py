@@ -364,10 +364,11 @@ def main() -> None:
     from app.config import default_cache_dir
     from app.model.registry import default_model_path, known_model, model_path
 
+    named = None if args.gguf is None or Path(args.gguf).exists() else known_model(args.gguf)
     if args.gguf is None:
         args.gguf = str(default_model_path(default_cache_dir()))
-    elif not Path(args.gguf).exists() and known_model(args.gguf):  # a registry name
-        args.gguf = str(model_path(known_model(args.gguf), default_cache_dir()))  # llama: a file
+    elif named is not None:  # a registry name: llama-server takes only the file
+        args.gguf = str(model_path(named, default_cache_dir()))
 
     llama_port, parley_port = free_port(), free_port()
     llama_cmd = [args.llama_server, "-m", args.gguf, "-t", "2", "-tb", "2", "-np", "32",
