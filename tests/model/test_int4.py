@@ -1,6 +1,10 @@
 """int4 weights (app.model.quant.int4): GGUF Q4 blocks as they are, the kernel layout, the
 model built from them, the disk cache, and the choice that "auto" makes."""
 
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 
 import numpy as np
@@ -73,8 +77,24 @@ def parley_kernels():
         pytest.skip(why)
 
 
+@pytest.fixture(params=["amx", "vector"])
+def q4_path(request, parley_kernels):
+    """Each of q4_matmul's paths this machine can run: AMX's tile units (where the CPU has
+    them and the OS grants their state) and the vector path (vdpbf16ps, AVX2 or portable),
+    which a process without AMX, or with PARLEY_AMX=0, runs."""
+    amx = torch.ops.parley.q4_amx()
+    if request.param == "amx" and not amx:
+        pytest.skip("no AMX here (or the OS has not granted its tile state)")
+    torch.ops.parley.q4_amx(request.param == "amx")
+    try:
+        assert ("AMX" in torch.ops.parley.q4_path()) == (request.param == "amx")
+        yield request.param
+    finally:
+        torch.ops.parley.q4_amx(amx)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_parleys_kernel_serves_the_gguf_weights_exactly(kind, parley_kernels):
+def test_parleys_kernel_serves_the_gguf_weights_exactly(kind, q4_path):
     """Through Parley's q4_matmul: the file's fp16 scales as they are (PyTorch's kernel
     rounds them to bf16), so a one-hot row reads back the dequantized weights exactly."""
     g = torch.Generator().manual_seed(4)
@@ -88,13 +108,12 @@ def test_parleys_kernel_serves_the_gguf_weights_exactly(kind, parley_kernels):
 
 
 @pytest.mark.parametrize("shape", [(80, 576), (112, 1536)])
-def test_parleys_kernel_gives_a_row_the_same_bits_in_any_batch_and_thread_count(
-    shape, parley_kernels
-):
+def test_parleys_kernel_gives_a_row_the_same_bits_in_any_batch_and_thread_count(shape, q4_path):
     """One arithmetic for one row and for hundreds: a decode's row, a prompt's and a chunk's
-    come out alike, on one thread or several (and close to the exact product). From 32 rows
-    the kernel reads weights it unpacked for the call, in slabs of tiles (3 tiles of 1,536
-    columns a slab: the second shape spans three slabs); fewer rows read the codes."""
+    come out alike, on one thread or several (and close to the exact product), on each path.
+    From 32 rows the kernel reads weights it unpacked for the call, in slabs of tiles (3
+    tiles of 1,536 columns a slab: the second shape spans three slabs); fewer rows read the
+    codes. AMX takes rows in blocks of 16 and 32 (17 and 36 rows: a short second block)."""
     g = torch.Generator().manual_seed(5)
     weight = quantize_rtn(torch.randn(*shape, generator=g))
     layer = Int4Linear(weight, None, torch.bfloat16, "parley")
@@ -106,6 +125,7 @@ def test_parleys_kernel_gives_a_row_the_same_bits_in_any_batch_and_thread_count(
         assert torch.equal(layer(x[i : i + 1].float()), whole[i : i + 1]), i
     assert torch.equal(layer(x[3:20].float()), whole[3:20])
     assert torch.equal(layer(x[2:38].float()), whole[2:38])  # 36 rows: unpacked too
+    assert torch.equal(layer(x[1:17].float()), whole[1:17])
     assert torch.equal(layer(x), whole.bfloat16())  # bf16 out: the fp32 sum rounded once
     threads = torch.get_num_threads()
     try:
@@ -116,8 +136,42 @@ def test_parleys_kernel_gives_a_row_the_same_bits_in_any_batch_and_thread_count(
         torch.set_num_threads(threads)
 
 
+def test_a_process_told_not_to_use_amx_runs_the_vector_path(tmp_path, parley_kernels):
+    """PARLEY_AMX=0 (as on a CPU that reports AMX whose OS has not granted the tile state:
+    the kernel asks the OS before its first tile instruction) runs the vector path, with its
+    bits; where the OS grants it, the default is AMX, with its own."""
+    g = torch.Generator().manual_seed(8)
+    weight = quantize_rtn(torch.randn(48, 128, generator=g))
+    layer = Int4Linear(weight, None, torch.bfloat16, "parley")
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    torch.save({"codes": layer.codes, "d": layer.d, "m": layer.m, "x": x}, tmp_path / "in.pt")
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from pathlib import Path
+        from app.model import kernels
+        assert kernels.load(Path({str(default_cache_dir())!r})) is None
+        a = torch.load({str(tmp_path / "in.pt")!r})
+        y = torch.ops.parley.q4_matmul(a["x"], a["codes"], a["d"], a["m"], torch.float32)
+        torch.save((torch.ops.parley.q4_path(), y), {str(tmp_path / "out.pt")!r})
+        """
+    )
+    env = {**os.environ, "PARLEY_AMX": "0"}
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=600, env=env)
+    path, y = torch.load(tmp_path / "out.pt")
+    assert "AMX" not in path
+    amx = torch.ops.parley.q4_amx()
+    try:
+        torch.ops.parley.q4_amx(False)
+        assert torch.equal(y, torch.ops.parley.q4_matmul(x, layer.codes, layer.d, layer.m,
+                                                         torch.float32))  # fmt: skip
+    finally:
+        torch.ops.parley.q4_amx(amx)
+    assert ("AMX" in torch.ops.parley.q4_path()) == amx
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_the_kernels_group_sums_add_each_groups_inputs_in_order(rows, parley_kernels):
+def test_the_kernels_group_sums_add_each_groups_inputs_in_order(rows, q4_path):
     """The zero-point term m_b * sum(x of group b) takes each group's sum in order in fp32
     (x[32b] first), however many groups are summed at once (16 at a time on AVX-512, the
     rest one by one). With every scale 0 and every zero 1 the output is exactly those sums

@@ -15,7 +15,9 @@
 // where x is bf16 (exact products) and xsum_b = the group's x summed in order in fp32.
 // That pair order is AVX-512 BF16's vdpbf16ps (two exact products added in turn); the
 // AVX2 and portable builds do the same adds as fp32 FMAs, so every build gives the same
-// bits (denormal products aside, which vdpbf16ps flushes).
+// bits (denormal products aside, which vdpbf16ps flushes). Where the CPU has AMX (and the
+// OS grants it), t is a tile unit's sum of the group instead, for every row alike: see
+// "AMX" below.
 //
 // Why not PyTorch's int4 kernel (which does compute a row on its own): it dequantizes 64
 // weights per k with fp32 FMAs for every 4 rows, fine for decode but bound by that
@@ -53,12 +55,35 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__linux__)
+#define PARLEY_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
 namespace {
 
 constexpr int64_t kGroup = 32;  // weights per (d, m)
 constexpr int64_t kTile = 16;   // output rows a tile
 constexpr int64_t kChunk = 32;  // bytes of codes per 4 k of a tile
 constexpr int64_t kChunksPerGroup = kGroup / 4;
+
+// Group b's codes (256 bytes a tile) of the `count` tiles that start `ahead` tiles after
+// `codes`: a decode reads a linear's codes once, a few tiles at a time, each tile a short
+// stream (4.5 KiB for K = 576) that the hardware prefetcher learns too late, so a call asks
+// for the next call's tiles as it goes (at one row: 18 -> ~24 GB/s from memory, 2 threads).
+inline void prefetch_group(const uint8_t* codes, int64_t tile_bytes, int ahead, int count,
+                           int64_t b) {
+  const uint8_t* p = codes + ahead * tile_bytes + b * kChunksPerGroup * kChunk;
+  for (int n = 0; n < count; ++n)
+    for (int64_t c = 0; c < kChunksPerGroup * kChunk; c += 64)
+      __builtin_prefetch(p + n * tile_bytes + c);
+}
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -183,6 +208,7 @@ inline void tile_kernel(const W& w, const c10::Half* d, const c10::Half* m, int6
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NT; ++n) acc[r][n] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
+    if constexpr (std::is_same_v<W, Codes>) prefetch_group(w.codes, w.tile_bytes, NT, NT, b);
     __m512 t[MR][NT];
     for (int r = 0; r < MR; ++r)
       for (int n = 0; n < NT; ++n) t[r][n] = _mm512_setzero_ps();
@@ -426,7 +452,287 @@ void run(const Operands<Out>& o, int64_t M, int64_t tiles) {
   });
 }
 
-std::string q4_path() { return kPath; }
+
+// ---------------------------------------------------------------------------------------
+// AMX (Intel's tile units, from Sapphire Rapids): where the compiler targets them and the OS
+// has granted this process the tile state, every row (a decode's one and a prompt's
+// thousands) takes each group's sum t from one tdpbf16ps into a zeroed tile instead of the
+// chain of vdpbf16ps above, and the rest as above: acc = fma(d_b, t, acc); acc =
+// fma(m_b, xsum_b, acc). A tile unit rounds a group's 32 products its own way (measured on
+// this path's first machine: ~6% of sums differ from vdpbf16ps's pair-by-pair rounding, and
+// from any order of fp32 adds), so a machine with AMX has AMX's bits, the same for any M, any
+// chunk, batch or thread; a machine without it, vdpbf16ps's. Which one a process runs is
+// logged at start (q4_path) and can be turned off (PARLEY_AMX=0, or parley::q4_amx(false)).
+//
+// A CPU can report AMX in CPUID while its OS has not enabled the tile state (XCR0), and a
+// tile instruction then dies of SIGILL: the path runs only once arch_prctl has granted the
+// tile data and XCR0 shows it enabled; otherwise the process keeps vdpbf16ps.
+//
+// Per group and row block (16 rows) the A tile is x's 32 words a row, and a B tile is one
+// output tile's 16 x 32 weights as 16 rows of 16 word pairs: exactly the Unpacked words of
+// that group (8 chunks of 64 words), so a prompt's unpacked slab is read in place and a
+// decode unpacks each group's codes into 1 KiB first. Two row blocks x two output tiles a
+// step (four C tiles, each A and B tile used twice); the sums leave their tiles through
+// memory for the scale and zero-point FMAs.
+
+bool amx_granted() {
+#ifdef PARLEY_AMX
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    uint32_t lo, hi;
+    asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    const uint64_t xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+    constexpr uint64_t kTileState = (1ull << 17) | (1ull << 18);  // XTILECFG, XTILEDATA
+    return (xcr0 & kTileState) == kTileState;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> amx_wanted{[] {
+  const char* v = std::getenv("PARLEY_AMX");
+  return v == nullptr || std::string(v) != "0";
+}()};
+
+inline bool amx_on() { return amx_wanted.load(std::memory_order_relaxed) && amx_granted(); }
+
+#ifdef PARLEY_AMX
+inline __m512 halves(const c10::Half* p) {  // 16 fp16 scales as floats
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums (row block i, output tile j at 2i + j); 4-5: x of row blocks 0, 1; 6-7:
+// weights of output tiles 0, 1. `rows`: rows of x in the second block (the first has 16, or
+// `rows` when it is alone).
+inline void configure(int first, int second) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+  const int block[2] = {first, second};
+  for (int i = 0; i < 2; ++i) {
+    const int r = std::max(1, block[i]);
+    c.rows[2 * i] = c.rows[2 * i + 1] = c.rows[4 + i] = static_cast<uint8_t>(r);
+  }
+  c.rows[6] = c.rows[7] = 16;
+  _tile_loadconfig(&c);
+}
+
+// One output tile's weights for group b as a B tile (1 KiB, 64 bytes a row): a slab's
+// unpacked words, read in place.
+struct AmxFromWords {
+  Unpacked src;
+  const uint16_t* get(int, int64_t tile, int64_t b) const {
+    return src.words + tile * src.tile_words + b * kGroup * kTile;
+  }
+};
+
+// Rows [r, r + rows) (rows <= 32: blocks of 16, the configuration's) against output tiles
+// [t, t + NT), NT 1 or 2; w's tile 0 is tile `base`.
+template <int NT, typename W, typename Out>
+void amx_block(const Operands<Out>& o, W& w, int64_t base, int64_t r, int rows, int64_t t) {
+  const int RB = rows > 16 ? 2 : 1;
+  const int r0 = std::min(rows, 16), r1 = rows - r0;
+  alignas(64) float acc[2][NT][kTile][kTile];
+  alignas(64) float sums[2][NT][kTile][kTile];
+  std::memset(acc, 0, sizeof acc);
+  const int64_t lda = o.K * 2;  // bytes
+  const uint16_t* x0 = o.x + r * o.K;
+  const uint16_t* x1 = x0 + 16 * o.K;
+  for (int64_t b = 0; b < o.KB; ++b) {
+    _tile_zero(0);
+    if constexpr (NT == 2) _tile_zero(1);
+    _tile_loadd(4, x0 + b * kGroup, lda);
+    if (RB == 2) {
+      _tile_zero(2);
+      if constexpr (NT == 2) _tile_zero(3);
+      _tile_loadd(5, x1 + b * kGroup, lda);
+    }
+    _tile_loadd(6, w.get(0, t - base, b), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (RB == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NT == 2) {
+      _tile_loadd(7, w.get(1, t + 1 - base, b), 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (RB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, sums[0][0], 64);
+    if constexpr (NT == 2) _tile_stored(1, sums[0][1], 64);
+    if (RB == 2) {
+      _tile_stored(2, sums[1][0], 64);
+      if constexpr (NT == 2) _tile_stored(3, sums[1][1], 64);
+    }
+    for (int n = 0; n < NT; ++n) {
+      const int64_t s = (t + n) * o.tile_scales + b * kTile;
+      const __m512 db = halves(o.d + s);
+      const __m512 mb = halves(o.m + s);
+      for (int i = 0; i < RB; ++i) {
+        const int n_rows = i == 0 ? r0 : r1;
+        const float* xs = o.xs + (r + 16 * i) * o.KB + b;
+        for (int q = 0; q < n_rows; ++q) {
+          __m512 a = _mm512_load_ps(acc[i][n][q]);
+          a = _mm512_fmadd_ps(db, _mm512_load_ps(sums[i][n][q]), a);
+          a = _mm512_fmadd_ps(mb, _mm512_set1_ps(xs[q * o.KB]), a);
+          _mm512_store_ps(acc[i][n][q], a);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int q = 0; q < (i == 0 ? r0 : r1); ++q)
+      for (int n = 0; n < NT; ++n)
+        store16(o.y + (r + 16 * i + q) * o.N + (t + n) * kTile,
+                _mm512_load_ps(acc[i][n][q]));
+}
+
+// Rows [0, M) against tiles [begin, end), w's tile 0 being `base`: blocks of 32 rows (the
+// last one shorter), tiles two at a time.
+template <typename W, typename Out>
+void amx_rows(const Operands<Out>& o, W& w, int64_t base, int64_t M, int64_t begin,
+              int64_t end, int& configured) {
+  for (int64_t r = 0; r < M; r += 32) {
+    const int rows = static_cast<int>(std::min<int64_t>(32, M - r));
+    const int key = rows;
+    if (configured != key) {
+      configure(std::min(rows, 16), rows - std::min(rows, 16));
+      configured = key;
+    }
+    int64_t t = begin;
+    for (; t + 2 <= end; t += 2) amx_block<2>(o, w, base, r, rows, t);
+    if (t < end) amx_block<1>(o, w, base, r, rows, t);
+  }
+}
+
+
+// A few rows (a decode, a small batch): one row block against three output tiles a step,
+// each with its own B tile (5-7) and sum tile (0-2), so that no tile waits on another's
+// store; a group's weights are unpacked one group ahead, into the other half of a double
+// buffer, while the tile unit works on this one, and a group's sums are scaled one group
+// late, once their tiles have been stored.
+inline void configure_small(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+  for (int t : {0, 1, 2, 4}) c.rows[t] = static_cast<uint8_t>(rows);
+  c.rows[3] = 1;
+  for (int t : {5, 6, 7}) c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+template <int NT, int kRows, typename Out>  // kRows: the rows when fixed (a decode's 1), else 0
+void amx_small(const Operands<Out>& o, const Codes& codes, int64_t r, int any_rows, int64_t t) {
+  const int rows = kRows ? kRows : any_rows;
+  alignas(64) uint16_t words[2][3][kGroup * kTile];
+  alignas(64) float sums[2][3][kTile][kTile];
+  __m512 acc[16][3];
+  for (int q = 0; q < rows; ++q)
+    for (int n = 0; n < NT; ++n) acc[q][n] = _mm512_setzero_ps();
+  const int64_t lda = o.K * 2;
+  const uint16_t* x = o.x + r * o.K;
+  auto unpack = [&](int64_t b) {
+    for (int n = 0; n < NT; ++n) {
+      const Codes at{codes.codes + (t + n) * codes.tile_bytes, codes.tile_bytes};
+      uint16_t* p = words[b & 1][n];
+      for (int64_t c = 0; c < kChunksPerGroup; ++c) {
+        __m512bh w0, w1;
+        at.get(0, b * kChunksPerGroup + c, w0, w1);
+        _mm512_store_si512(p + c * 64, (__m512i)w0);
+        _mm512_store_si512(p + c * 64 + 32, (__m512i)w1);
+      }
+    }
+  };
+  auto scale = [&](int64_t b) {
+    for (int n = 0; n < NT; ++n) {
+      const int64_t s = (t + n) * o.tile_scales + b * kTile;
+      const __m512 db = halves(o.d + s);
+      const __m512 mb = halves(o.m + s);
+      for (int q = 0; q < rows; ++q) {
+        acc[q][n] = _mm512_fmadd_ps(db, _mm512_load_ps(sums[b & 1][n][q]), acc[q][n]);
+        acc[q][n] = _mm512_fmadd_ps(mb, _mm512_set1_ps(o.xs[(r + q) * o.KB + b]), acc[q][n]);
+      }
+    }
+  };
+  unpack(0);
+  for (int64_t b = 0; b < o.KB; ++b) {
+    prefetch_group(codes.codes + t * codes.tile_bytes, codes.tile_bytes, NT, NT, b);
+    _tile_loadd(4, x + b * kGroup, lda);
+    _tile_zero(0);
+    _tile_loadd(5, words[b & 1][0], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NT > 1) {
+      _tile_zero(1);
+      _tile_loadd(6, words[b & 1][1], 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NT > 2) {
+      _tile_zero(2);
+      _tile_loadd(7, words[b & 1][2], 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if (b + 1 < o.KB) unpack(b + 1);
+    if (b > 0) scale(b - 1);
+    _tile_stored(0, sums[b & 1][0], 64);
+    if constexpr (NT > 1) _tile_stored(1, sums[b & 1][1], 64);
+    if constexpr (NT > 2) _tile_stored(2, sums[b & 1][2], 64);
+  }
+  scale(o.KB - 1);
+  for (int q = 0; q < rows; ++q)
+    for (int n = 0; n < NT; ++n) store16(o.y + (r + q) * o.N + (t + n) * kTile, acc[q][n]);
+}
+
+template <typename Out>
+void run_amx(const Operands<Out>& o, int64_t M, int64_t tiles) {
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, M * o.KB));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    int configured = -1;  // another library's tile code may have run on this thread since
+    if (M >= kUnpackRows) {
+      const int64_t tile_words = o.K * kTile;
+      const int64_t fit = kUnpackBytes / (tile_words * 2);
+      const int64_t slab = std::max<int64_t>(2, fit / 2 * 2);
+      thread_local std::vector<uint16_t> words;
+      if (words.size() < static_cast<size_t>(slab * tile_words)) words.resize(slab * tile_words);
+      for (int64_t s = begin; s < end; s += slab) {
+        const int64_t e = std::min(end, s + slab);
+        unpack_tiles(o.codes + s * o.tile_bytes, o.tile_bytes, e - s, words.data());
+        AmxFromWords w{Unpacked{words.data(), tile_words}};
+        amx_rows(o, w, s, M, s, e, configured);
+      }
+    } else {
+      const Codes codes{o.codes, o.tile_bytes};
+      for (int64_t r = 0; r < M; r += 16) {
+        const int rows = static_cast<int>(std::min<int64_t>(16, M - r));
+        configure_small(rows);
+        int64_t t = begin;
+        if (rows == 1) {  // its sums kept in registers
+          for (; t + 3 <= end; t += 3) amx_small<3, 1>(o, codes, r, rows, t);
+          if (end - t == 2) amx_small<2, 1>(o, codes, r, rows, t);
+          if (end - t == 1) amx_small<1, 1>(o, codes, r, rows, t);
+          continue;
+        }
+        for (; t + 3 <= end; t += 3) amx_small<3, 0>(o, codes, r, rows, t);
+        if (end - t == 2) amx_small<2, 0>(o, codes, r, rows, t);
+        if (end - t == 1) amx_small<1, 0>(o, codes, r, rows, t);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+std::string q4_path() { return amx_on() ? "AMX (tdpbf16ps)" : kPath; }
+
+// Whether the AMX path may run (where it can); returns whether it runs now.
+bool q4_amx(c10::optional<bool> want) {
+  if (want.has_value()) amx_wanted.store(*want);
+  return amx_on();
+}
 
 }  // namespace
 
@@ -463,6 +769,17 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const c10::Half* dp = d.data_ptr<c10::Half>();
   const c10::Half* mp = m.data_ptr<c10::Half>();
   const int64_t tile_bytes = (K / 4) * kChunk;
+#ifdef PARLEY_AMX
+  if (amx_on()) {
+    if (want == at::kFloat)
+      run_amx(Operands<float>{cp, dp, mp, xp, xs.data(), y.data_ptr<float>(), K, KB, N,
+                              tile_bytes, KB * kTile}, M, tiles);
+    else
+      run_amx(Operands<c10::BFloat16>{cp, dp, mp, xp, xs.data(), y.data_ptr<c10::BFloat16>(),
+                                      K, KB, N, tile_bytes, KB * kTile}, M, tiles);
+    return y;
+  }
+#endif
   if (want == at::kFloat)
     run(Operands<float>{cp, dp, mp, xp, xs.data(), y.data_ptr<float>(), K, KB, N, tile_bytes,
                         KB * kTile}, M, tiles);
@@ -477,6 +794,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 TORCH_LIBRARY_FRAGMENT(parley, m) {
   m.def("q4_matmul(Tensor x, Tensor codes, Tensor d, Tensor m, ScalarType? out_dtype) -> Tensor");
   m.def("q4_path() -> str", &q4_path);
+  m.def("q4_amx(bool? enable=None) -> bool", &q4_amx);
 }
 
 TORCH_LIBRARY_IMPL(parley, CPU, m) { m.impl("q4_matmul", &parley_kernels::q4_matmul); }
