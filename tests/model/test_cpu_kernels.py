@@ -30,6 +30,26 @@ def built():
     assert why is None, why  # g++ and ninja are on every machine the suite runs on
 
 
+@pytest.fixture(params=["amx", "vector"])
+def attention_path(request):
+    """Each attention path this machine runs: AMX's tile units where the linears run on
+    them too (a CPU with AMX whose OS grants its tile state; bf16, head size 64), and the
+    vector path, which any other machine, dtype or head size, or PARLEY_AMX=0, runs."""
+    amx = torch.ops.parley.q4_amx()
+    if request.param == "amx" and not amx:
+        pytest.skip("no AMX here (or the OS has not granted its tile state)")
+    torch.ops.parley.q4_amx(request.param == "amx")
+    try:
+        yield request.param
+    finally:
+        torch.ops.parley.q4_amx(amx)
+
+
+def _amx_applies(path, dtype, head_dim):
+    if path == "amx" and (dtype != torch.bfloat16 or head_dim != 64):
+        pytest.skip("AMX attention is for bf16 and head size 64: the vector path's case")
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -89,7 +109,8 @@ def _reference_decode(q, kc, vc, tables, lens, window=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 16])  # the specialised loops, and the general ones
-def test_paged_decode_against_float64_and_alone_as_batched(dtype, head_dim):
+def test_paged_decode_against_float64_and_alone_as_batched(dtype, head_dim, attention_path):
+    _amx_applies(attention_path, dtype, head_dim)
     H, Hkv, bs = 9, 3, 16
     g = _gen(head_dim)
     kc = torch.randn(200, bs, Hkv, head_dim, generator=g).to(dtype)
@@ -112,10 +133,11 @@ def test_paged_decode_against_float64_and_alone_as_batched(dtype, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 16])
 @pytest.mark.parametrize("block_size", [16, 7])
-def test_paged_prefill_gives_each_row_a_decodes_bits(dtype, head_dim, block_size):
+def test_paged_prefill_gives_each_row_a_decodes_bits(dtype, head_dim, block_size, attention_path):
     """A prompt chunk's rows, each attending to the keys up to its position, equal decodes
     at those positions bit for bit: fresh prompts, chunks after a cached prefix (a long
     one, a short follow-up, a single row), across the 512-key spans."""
+    _amx_applies(attention_path, dtype, head_dim)
     H, Hkv = 9, 3
     g = _gen(head_dim + block_size)
     blocks = 1400 // block_size + 2
@@ -137,13 +159,14 @@ def test_paged_prefill_gives_each_row_a_decodes_bits(dtype, head_dim, block_size
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("head_dim", "heads"), [(64, (9, 3)), (16, (9, 3)), (256, (4, 1))])
 def test_a_sliding_window_attends_its_last_keys_alike_decoded_prompted_or_chunked(
-    dtype, head_dim, heads
+    dtype, head_dim, heads, attention_path
 ):
     """Gemma's local layers: each row attends to its last `window` keys only, in the same
     bits decoded, in a whole prompt, in chunks after a cached prefix, and close to float64
     attention over exactly those keys. Windows shorter than a score block (1, 5), across the
     512-key spans (512, 700), and one longer than the context (a window that changes
     nothing: the same bits as none)."""
+    _amx_applies(attention_path, dtype, head_dim)
     (H, Hkv), bs = heads, 16
     g = _gen(head_dim + 3)
     blocks = 1300 // bs + 2
@@ -172,7 +195,7 @@ def test_a_sliding_window_attends_its_last_keys_alike_decoded_prompted_or_chunke
                        none)  # fmt: skip
 
 
-def test_a_prompt_in_chunks_attends_as_the_whole_prompt():
+def test_a_prompt_in_chunks_attends_as_the_whole_prompt(attention_path):
     H, Hkv, D, bs = 9, 3, 64, 16
     g = _gen(11)
     kc = torch.randn(64, bs, Hkv, D, generator=g).to(torch.bfloat16)
@@ -184,6 +207,64 @@ def test_a_prompt_in_chunks_attends_as_the_whole_prompt():
     chunks = [torch.ops.parley.paged_prefill(q[a:b], kc, vc, table, a, 0.125)
               for a, b in itertools.pairwise(cuts)]  # fmt: skip
     assert torch.equal(torch.cat(chunks), whole)
+
+
+def test_keys_past_a_rows_reach_change_nothing_even_as_nan(attention_path):
+    """The cache's slots past a sequence's length (and before a window) may hold anything:
+    stale K/V, or NaN in memory never written. The tile path reads whole blocks of 32
+    keys; those it must not use weigh nothing, so NaN there changes no bit."""
+    H, Hkv, D, bs = 9, 3, 64, 16
+    g = _gen(21)
+    kc = torch.randn(48, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(48, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    table = torch.randperm(48, generator=g)
+    q = torch.randn(40, H, D, generator=g).to(torch.bfloat16)
+    start, n = 500, 40  # keys 0 .. 539 in use: the rest of the 32-key block is not
+    for window in (0, 100):
+        clean_p = torch.ops.parley.paged_prefill(q, kc, vc, table, start, 0.125, window)
+        lens = torch.arange(start + 1, start + n + 1)
+        clean_d = torch.ops.parley.paged_decode(q, kc, vc, table.expand(n, -1), lens, 0.125, window)
+        dirty_k, dirty_v = kc.clone(), vc.clone()
+        slots = table.repeat_interleave(bs) * bs + torch.arange(bs).repeat(48)
+        unused = slots[start + n :]
+        if window:
+            unused = torch.cat([unused, slots[: start - window]])
+        dirty_k.view(-1, Hkv, D)[unused] = float("nan")
+        dirty_v.view(-1, Hkv, D)[unused] = float("nan")
+        dirty_p = torch.ops.parley.paged_prefill(q, dirty_k, dirty_v, table, start, 0.125, window)
+        assert torch.equal(dirty_p, clean_p)
+        assert torch.equal(
+            torch.ops.parley.paged_decode(q, dirty_k, dirty_v, table.expand(n, -1), lens, 0.125,
+                                          window),
+            clean_d,
+        )  # fmt: skip
+        assert torch.equal(clean_p, clean_d)
+
+
+def test_amx_attention_is_its_own_arithmetic_and_as_close_to_float64():
+    """Where AMX runs, attention's sums take the tile unit's order (a path of its own, not
+    the vector one's bits) with the probabilities kept to ~16 bits (two bf16 parts): as
+    close to float64 as the vector path."""
+    if not torch.ops.parley.q4_amx():
+        pytest.skip("no AMX here (or the OS has not granted its tile state)")
+    H, Hkv, D, bs = 9, 3, 64, 16
+    g = _gen(22)
+    kc = torch.randn(80, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(80, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    table = torch.randperm(80, generator=g)
+    q = torch.randn(1200, H, D, generator=g).to(torch.bfloat16)
+    outs = {}
+    try:
+        for amx in (True, False):
+            torch.ops.parley.q4_amx(amx)
+            outs[amx] = torch.ops.parley.paged_prefill(q, kc, vc, table, 0, 0.125)
+    finally:
+        torch.ops.parley.q4_amx(True)
+    assert not torch.equal(outs[True], outs[False])
+    at = torch.tensor([0, 31, 32, 511, 512, 777, 1199])
+    ref = _reference_decode(q[at], kc, vc, table.expand(len(at), -1), at + 1)
+    err = {amx: (o[at].double() - ref).abs().max().item() for amx, o in outs.items()}
+    assert err[True] < 8e-3 and err[True] <= 1.5 * err[False], err
 
 
 def test_paged_decode_close_to_the_gathered_sdpa_path():

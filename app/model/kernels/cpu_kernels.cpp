@@ -33,6 +33,7 @@
 namespace parley_kernels {  // qmatmul.cpp
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const at::Tensor& m, c10::optional<at::ScalarType> out_dtype);
+bool amx_enabled();
 }
 
 namespace {
@@ -452,6 +453,232 @@ inline int64_t window_start(int64_t position, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
 }
 
+// ---------------------------------------------------------------------------------------
+// Attention on AMX (bf16, head size 64), where the linears run on it too (qmatmul.cpp's
+// switch: PARLEY_AMX=0 turns both off). A span's scores and its weighted sum of V are
+// tile products; what lies between them (scale, max, exp, sum) is the vector code above.
+// paged_decode and paged_prefill both compute a query vector's span here, alone in its
+// tile row, over key blocks aligned to the span's start: a vector's bits depend on its
+// query, its keys and its bounds only, never on its tile's other rows, so a decode, a
+// chunk and a whole prompt agree as they do on the vector path.
+//
+// Scores: a tile of 16 query vectors (32 dims a tile) against 16 keys, the K rows turned
+// into the tile unit's pairs (dims 2i, 2i + 1 of 16 keys in row i). The probabilities are
+// split into two bf16 parts, hi = bf16(p) and lo = bf16(p - hi) (p to ~16 bits instead of
+// 8: probabilities rounded to bf16 alone cost greedy agreement with the fp32 reference,
+// above), and both weigh V, 32 keys a tile, V's rows paired key by key (keys 2i, 2i + 1 in
+// row i). A vector's masked keys weigh V by exact zeros (V's rows past the span's keys are
+// zeros), so adding them changes no sum.
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__linux__)
+#define PARLEY_AMX_ATTENTION 1
+#endif
+
+#ifdef PARLEY_AMX_ATTENTION
+constexpr int64_t kAmxD = 64, kAmxVecs = 16;
+
+struct alignas(64) AttnTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: C tiles 16 x 16 fp32, A and B 16 x 32 bf16.
+inline void amx_attention_tiles() {
+  AttnTileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+// K: 16 keys' rows (32 dim pairs each) to their two B tiles, tile c's row i holding pair
+// 16c + i of each key: a 16 x 16 transpose of 32-bit pairs per tile, in registers.
+inline void transpose_keys(const uint32_t (*keys)[kAmxD / 2], uint32_t* kt) {
+  for (int c = 0; c < 2; ++c) {
+    __m512 r[16], t[16];
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_castsi512_ps(_mm512_load_si512(keys[k] + 16 * c));
+    for (int k = 0; k < 16; k += 2) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+      t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
+      t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) {  // per lane: pairs 0..3 of keys k..k + 3
+      const auto lo = [](__m512 a, __m512 b) {
+        return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+      };
+      const auto hi = [](__m512 a, __m512 b) {
+        return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+      };
+      r[k] = lo(t[k], t[k + 2]);
+      r[k + 1] = hi(t[k], t[k + 2]);
+      r[k + 2] = lo(t[k + 1], t[k + 3]);
+      r[k + 3] = hi(t[k + 1], t[k + 3]);
+    }
+    // r[4q + m]: lane L holds pair 4L + m of keys 4q .. 4q + 3.
+    for (int m = 0; m < 4; ++m) {
+      t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);  // pairs m, 8 + m of keys 0-7
+      t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);  // pairs 4 + m, 12 + m
+      t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);  // of keys 8-15
+      t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+    }
+    // t[p] (p < 8) holds pairs p and p + 8 of keys 0-7, t[8 + p] of keys 8-15.
+    float* out = reinterpret_cast<float*>(kt + c * 256);
+    for (int p = 0; p < 8; ++p) {
+      _mm512_storeu_ps(out + p * 16, _mm512_shuffle_f32x4(t[p], t[8 + p], 0x88));
+      _mm512_storeu_ps(out + (p + 8) * 16, _mm512_shuffle_f32x4(t[p], t[8 + p], 0xdd));
+    }
+  }
+}
+
+// A span's K and V as tile operands, keys [from, to) of the span at `first` (offsets from
+// it; from and to multiples of 32), keys outside [valid_from, valid_to) zero. kt: per 16
+// keys and 32 dims a B tile (row i: dims 2i, 2i + 1 of each key); vt: per 32 keys and 16
+// dims a B tile (row i: keys 2i, 2i + 1 of each dim).
+template <typename T>
+void amx_span_operands(const T* k_cache, const T* v_cache, const int64_t* table,
+                       int64_t block_size, int64_t kv_heads, int64_t h, int64_t first,
+                       int64_t from, int64_t to, int64_t valid_from, int64_t valid_to,
+                       uint32_t* kt, uint32_t* vt) {
+  constexpr int64_t D = kAmxD;
+  alignas(64) uint32_t zero[D / 2] = {};
+  alignas(64) uint32_t keys[16][D / 2];  // 16 keys' rows, then turned into their tiles
+  for (int64_t j = from; j < to; j += 2) {
+    const uint32_t* row[2];
+    for (int e = 0; e < 2; ++e) {
+      const int64_t key = j + e, pos = first + key;
+      row[e] = key >= valid_from && key < valid_to
+                   ? reinterpret_cast<const uint32_t*>(
+                         k_cache + ((table[pos / block_size] * block_size + pos % block_size) *
+                                        kv_heads + h) * D)
+                   : zero;
+      std::memcpy(keys[key % 16], row[e], D * 2);
+      if (key % 16 == 15) transpose_keys(keys, kt + (key / 16) * 2 * 256);
+    }
+    // V: keys j, j + 1 interleaved dim by dim: tile (j / 32, d / 16), row (j % 32) / 2.
+    const auto v_of = [&](int e) -> const uint16_t* {
+      const int64_t key = j + e, pos = first + key;
+      if (key < valid_from || key >= valid_to) return reinterpret_cast<const uint16_t*>(zero);
+      return reinterpret_cast<const uint16_t*>(
+          v_cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D);
+    };
+    const __m512i a = _mm512_loadu_si512(v_of(0)), b = _mm512_loadu_si512(v_of(0) + 32);
+    const __m512i c = _mm512_loadu_si512(v_of(1)), d = _mm512_loadu_si512(v_of(1) + 32);
+    static const __m512i lo_idx = [] {
+      alignas(64) uint16_t i[32];
+      for (int k = 0; k < 16; ++k) i[2 * k] = k, i[2 * k + 1] = 32 + k;
+      return _mm512_load_si512(i);
+    }();
+    static const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    uint32_t* vb = vt + (j / 32) * 4 * 256 + ((j % 32) / 2) * 16;
+    _mm512_storeu_si512(vb + 0 * 256, _mm512_permutex2var_epi16(a, lo_idx, c));
+    _mm512_storeu_si512(vb + 1 * 256, _mm512_permutex2var_epi16(a, hi_idx, c));
+    _mm512_storeu_si512(vb + 2 * 256, _mm512_permutex2var_epi16(b, lo_idx, d));
+    _mm512_storeu_si512(vb + 3 * 256, _mm512_permutex2var_epi16(b, hi_idx, d));
+  }
+}
+
+// Up to 16 query vectors (q: 16 rows of D bf16, rows past `vecs` anything finite) over a
+// span's operands, keys [from, to): vector v attends to keys [lo[v], hi[v]) (offsets from
+// the span's start). Unless it has no key there, out.put(v, max, sum) receives its
+// softmax pieces and out.at(v) (D floats) its partial sums. scores: 16 x kSpan floats;
+// phi, plo: 16 x kSpan bf16 each.
+template <typename Out>
+void amx_span_vectors(const uint16_t* q, int64_t vecs, const int64_t* lo, const int64_t* hi,
+                      const uint32_t* kt, const uint32_t* vt, int64_t from, int64_t to,
+                      float scale, float* scores, uint16_t* phi, uint16_t* plo, Out out) {
+  constexpr int64_t D = kAmxD, ldq = D * 2, lds = kSpan * 4, ldp = kSpan * 2;
+  _tile_loadd(4, q, ldq);
+  _tile_loadd(5, q + 32, ldq);
+  for (int64_t kb = from / 16; kb < to / 16; kb += 2) {  // to - from: a multiple of 32
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(6, kt + kb * 512, 64);
+    _tile_loadd(7, kt + kb * 512 + 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(0, 5, 7);
+    _tile_loadd(6, kt + (kb + 1) * 512, 64);
+    _tile_loadd(7, kt + (kb + 1) * 512 + 256, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_stored(0, scores + kb * 16, lds);
+    _tile_stored(1, scores + kb * 16 + 16, lds);
+  }
+  // Rows past `vecs` keep what an earlier call left there (finite): their sums are not read.
+  for (int64_t v = 0; v < vecs; ++v) {
+    uint16_t* ph = phi + v * kSpan;
+    uint16_t* pl = plo + v * kSpan;
+    std::fill(ph + from, ph + to, uint16_t{0});
+    std::fill(pl + from, pl + to, uint16_t{0});
+    if (hi[v] <= lo[v]) continue;
+    const int64_t nv = hi[v] - lo[v];
+    float* sv = scores + v * kSpan + lo[v];
+    for (int64_t j = 0; j < nv; ++j) sv[j] *= scale;  // after the sum, as decode_span
+    const float m = max_of(sv, nv);
+    exp_shifted(sv, nv, m);
+    out.put(v, m, lane_sum(nv, [&](int64_t j) { return sv[j]; }));
+    for (int64_t j = 0; j < nv; j += 16) {  // hi = bf16(p), lo = bf16(p - hi), both RNE
+      const __mmask16 k = nv - j >= 16 ? 0xffff : (1u << (nv - j)) - 1;
+      const __m512 x = _mm512_maskz_loadu_ps(k, sv + j);
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+      const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+      _mm256_mask_storeu_epi16(ph + lo[v] + j, k, h);
+      _mm256_mask_storeu_epi16(pl + lo[v] + j, k, l);
+    }
+  }
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t b = from / 32; b < to / 32; ++b) {
+    _tile_loadd(4, phi + b * 32, ldp);
+    _tile_loadd(5, plo + b * 32, ldp);
+    const uint32_t* vb = vt + b * 4 * 256;
+    _tile_loadd(6, vb, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_loadd(7, vb + 256, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(6, vb + 512, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(7, vb + 768, 64);
+    _tile_dpbf16ps(3, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float sums[kAmxVecs][D];
+  _tile_stored(0, &sums[0][0], D * 4);
+  _tile_stored(1, &sums[0][16], D * 4);
+  _tile_stored(2, &sums[0][32], D * 4);
+  _tile_stored(3, &sums[0][48], D * 4);
+  for (int64_t v = 0; v < vecs; ++v)
+    if (hi[v] > lo[v]) std::memcpy(out.at(v), sums[v], D * sizeof(float));
+}
+
+// The scratch a thread's AMX spans use, kept from call to call.
+struct AmxScratch {
+  std::vector<uint32_t> kt, vt;
+  std::vector<float> scores;
+  std::vector<uint16_t> phi, plo, q;
+  AmxScratch()
+      : kt(kSpan * kAmxD / 2), vt(kSpan * kAmxD / 2), scores(kAmxVecs * kSpan),
+        phi(kAmxVecs * kSpan), plo(kAmxVecs * kSpan), q(kAmxVecs * kAmxD) {}
+};
+#endif
+
+// Whether paged_decode and paged_prefill take the AMX path: the same answer for both, so
+// that a decode and a prompt agree (G: query heads a K/V head, at most a tile's rows).
+template <typename T>
+bool amx_attention(int64_t D, int64_t G) {
+#ifdef PARLEY_AMX_ATTENTION
+  return std::is_same_v<T, c10::BFloat16> && D == kAmxD && G <= kAmxVecs &&
+         parley_kernels::amx_enabled();
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                        const int64_t* lens, T* out, int64_t B, int64_t H, int64_t kv_heads,
@@ -474,6 +701,43 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
   // Small steps run on the calling thread (a grain above the count): waking the pool
   // costs more than the work.
   const int64_t grain = keys * kv_heads < 512 ? items + 1 : 1;
+#ifdef PARLEY_AMX_ATTENTION
+  if (amx_attention<T>(D, G)) {
+    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+      thread_local AmxScratch s;
+      amx_attention_tiles();  // another library's tile code may have run on this thread
+      int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) -
+                  first_item.begin() - 1;
+      for (int64_t it = begin; it < end; ++it) {
+        while (it >= first_item[b + 1]) ++b;
+        const int64_t span = first_span[b] + (it - first_item[b]) / kv_heads;
+        const int64_t h = (it - first_item[b]) % kv_heads, base = span * kSpan;
+        // The span's keys as offsets from its start, as paged_prefill's rows see them.
+        const int64_t lo = std::max<int64_t>(0, window_start(lens[b] - 1, window) - base);
+        const int64_t hi = std::min(lens[b], base + kSpan) - base;
+        const int64_t from = lo / 32 * 32, to = (hi + 31) / 32 * 32;
+        amx_span_operands(k_cache, v_cache, tables + b * max_blocks, block_size, kv_heads, h,
+                          base, from, to, lo, hi, s.kt.data(), s.vt.data());
+        std::memcpy(s.q.data(), q + (b * H + h * G) * D, G * D * sizeof(T));
+        int64_t los[kAmxVecs], his[kAmxVecs];
+        std::fill_n(los, G, lo);
+        std::fill_n(his, G, hi);
+        float* st = stats.data() + it * 2 * G;
+        float* pa = partial.data() + it * G * D;
+        struct {
+          float* st;
+          float* pa;
+          int64_t G;
+          void put(int64_t v, float m, float sum) { st[v] = m, st[G + v] = sum; }
+          float* at(int64_t v) { return pa + v * kAmxD; }
+        } out{st, pa, G};
+        amx_span_vectors(s.q.data(), G, los, his, s.kt.data(), s.vt.data(), from, to, scale,
+                         s.scores.data(), s.phi.data(), s.plo.data(), out);
+      }
+      _tile_release();
+    });
+  } else
+#endif
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores(G * kSpan);
     int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) -
@@ -888,6 +1152,54 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   }
 }
 
+#ifdef PARLEY_AMX_ATTENTION
+// prefill_span's item on AMX: the tile's rows' query vectors, 16 at a time, over the span's
+// operands (made once for them all); each vector's keys and outputs as prefill_span's.
+template <typename T>
+void amx_prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                      int64_t block_size, int64_t kv_heads, int64_t H, int64_t h, int64_t start,
+                      int64_t r0, int64_t r1, int64_t first, int64_t G, float scale,
+                      int64_t window, float* stats, float* partial) {
+  constexpr int64_t D = kAmxD;
+  const auto keys = [&](int64_t r) {
+    return std::max<int64_t>(0, std::min(start + r + 1, first + kSpan) - first);
+  };
+  const auto lower = [&](int64_t r) {
+    return std::clamp<int64_t>(window_start(start + r, window) - first, 0, kSpan);
+  };
+  const int64_t least = lower(r0), n = keys(r1 - 1);  // rows ascend: both bounds do
+  if (n <= least) return;
+  const int64_t from = least / 32 * 32, to = (n + 31) / 32 * 32;
+  thread_local AmxScratch s;
+  amx_span_operands(k_cache, v_cache, table, block_size, kv_heads, h, first, from, to, least,
+                    n, s.kt.data(), s.vt.data());
+  const int64_t qvecs = (r1 - r0) * G;
+  for (int64_t v0 = 0; v0 < qvecs; v0 += kAmxVecs) {
+    const int64_t vecs = std::min(kAmxVecs, qvecs - v0);
+    int64_t los[kAmxVecs], his[kAmxVecs];
+    for (int64_t i = 0; i < vecs; ++i) {
+      const int64_t v = v0 + i, r = r0 + v / G;
+      std::memcpy(s.q.data() + i * D, q + (r * H + h * G + v % G) * D, D * sizeof(T));
+      los[i] = lower(r);
+      his[i] = keys(r);
+    }
+    struct {
+      float* stats;
+      float* partial;
+      int64_t G, v0;
+      void put(int64_t i, float m, float sum) {
+        const int64_t v = v0 + i;
+        float* st = stats + (v / G) * 2 * G;
+        st[v % G] = m, st[G + v % G] = sum;
+      }
+      float* at(int64_t i) { return partial + (v0 + i) * kAmxD; }
+    } out{stats, partial, G, v0};
+    amx_span_vectors(s.q.data(), vecs, los, his, s.kt.data(), s.vt.data(), from, to, scale,
+                     s.scores.data(), s.phi.data(), s.plo.data(), out);
+  }
+}
+#endif
+
 template <typename T>
 void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                         T* out, int64_t n, int64_t start, int64_t H, int64_t kv_heads, int64_t D,
@@ -897,8 +1209,11 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
   // a short chunk (a follow-up) in few tiles, so that each span's K/V is widened few times.
   const int64_t threads = at::get_num_threads();
   const int64_t wanted = (2 * threads + kv_heads - 1) / kv_heads;
+  // On AMX a span's K and V are made into tiles once an item and its rows are cheap: the
+  // most rows a tile.
+  const int64_t most = amx_attention<T>(D, G) ? kMaxTileRows : kTileRows;
   const int64_t tile = std::max<int64_t>(
-      1, std::min(n <= kMaxTileRows ? n : kTileRows, (n + wanted - 1) / wanted));
+      1, std::min(n <= kMaxTileRows ? n : most, (n + wanted - 1) / wanted));
   const int64_t tiles = (n + tile - 1) / tile, items = tiles * kv_heads;
   // Later tiles reach more spans (causal). The pool hands each thread a contiguous run of
   // items, so the tiles are dealt round-robin: thread j's run holds tiles j, j + threads...
@@ -924,6 +1239,10 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
     fit(o, D);
     const auto fn = D == 64 ? prefill_span<T, 64> : D == 128 ? prefill_span<T, 128>
                                                              : prefill_span<T, 0>;
+#ifdef PARLEY_AMX_ATTENTION
+    const bool amx = amx_attention<T>(D, G);
+    if (amx) amx_attention_tiles();  // another library's tile code may have run here
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = order[item / kv_heads], h = item % kv_heads;
       const int64_t r0 = t * tile, r1 = std::min(n, r0 + tile);
@@ -932,10 +1251,19 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
       const auto spans_of = [&](int64_t r) { return (start + r + 1 + kSpan - 1) / kSpan; };
       const auto first_span_of = [&](int64_t r) { return window_start(start + r, window) / kSpan; };
       const int64_t spans = spans_of(r1 - 1);
-      for (int64_t s = first_span_of(r0); s < spans; ++s)
+      for (int64_t s = first_span_of(r0); s < spans; ++s) {
+#ifdef PARLEY_AMX_ATTENTION
+        if (amx) {
+          amx_prefill_span(q, k_cache, v_cache, table, block_size, kv_heads, H, h, start, r0,
+                           r1, s * kSpan, G, scale, window, stats.data() + s * tile * 2 * G,
+                           partial.data() + s * tile * G * D);
+          continue;
+        }
+#endif
         fn(q, k_cache, v_cache, table, block_size, kv_heads, H, h, start, r0, r1, s * kSpan, G,
            D, scale, window, kf.data(), vf.data(), qf.data(), scores.data(),
            stats.data() + s * tile * 2 * G, partial.data() + s * tile * G * D);
+      }
       // Combine each row's spans (combine_spans, as paged_decode does).
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t row_first = first_span_of(r), row_spans = spans_of(r) - row_first;
@@ -950,6 +1278,9 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
         }
       }
     }
+#ifdef PARLEY_AMX_ATTENTION
+    if (amx) _tile_release();
+#endif
   });
 }
 

@@ -738,6 +738,10 @@ bool q4_amx(c10::optional<bool> want) {
 
 namespace parley_kernels {
 
+// Whether AMX runs in this process now: cpu_kernels.cpp's attention takes the same switch,
+// so a process's linears and attention change paths together.
+bool amx_enabled() { return amx_on(); }
+
 // x (M, K) fp32 or bf16 (rounded to bf16); codes, d, m as app/model/quant/int4.py's
 // parley_layout packs an (N, K) weight, N = 16 x d's first dimension. y (M, N) in
 // out_dtype (default: x's), from fp32 sums.
