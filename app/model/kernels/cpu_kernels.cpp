@@ -180,28 +180,32 @@ inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
+#ifdef __AVX512F__
+inline __m512 exp_neg16(__m512 x) {  // exp_neg of 16 values, its operations in its order
+  const auto f = [](float c) { return _mm512_set1_ps(c); };
+  x = _mm512_max_ps(f(kExpFloor), x);  // x < floor ? floor : x, a NaN kept as the scalar keeps it
+  const __m512 k = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, f(kLog2e)), f(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, f(kLn2Hi))),
+                                 _mm512_mul_ps(k, f(kLn2Lo)));
+  __m512 p = f(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_add_ps(_mm512_mul_ps(p, r), f(kExpPoly[i]));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), f(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // s[j] = exp_neg(s[j] - m) for j < n. AVX-512 takes 16 at a time with exp_neg's own
 // operations in its order, so each value is the scalar one's bits (gcc leaves the scalar
 // loop unvectorized).
 inline void exp_shifted(float* s, int64_t n, float m) {
   int64_t j = 0;
 #ifdef __AVX512F__
-  const auto f = [](float c) { return _mm512_set1_ps(c); };
-  const __m512 vm = f(m);
-  for (; j + 16 <= n; j += 16) {
-    __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j), vm);
-    x = _mm512_max_ps(f(kExpFloor), x);  // x < floor ? floor : x, a NaN kept as the scalar keeps it
-    const __m512 k = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, f(kLog2e)), f(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, f(kLn2Hi))),
-                                   _mm512_mul_ps(k, f(kLn2Lo)));
-    __m512 p = f(kExpPoly[0]);
-    for (int i = 1; i < 6; ++i) p = _mm512_add_ps(_mm512_mul_ps(p, r), f(kExpPoly[i]));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), f(1.0f));
-    const __m512i bits =
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    _mm512_storeu_ps(s + j, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
-  }
+  const __m512 vm = _mm512_set1_ps(m);
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(s + j, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm)));
 #endif
   for (; j < n; ++j) s[j] = exp_neg(s[j] - m);
 }
@@ -610,21 +614,39 @@ void amx_span_vectors(const uint16_t* q, int64_t vecs, const int64_t* lo, const 
     std::fill(ph + from, ph + to, uint16_t{0});
     std::fill(pl + from, pl + to, uint16_t{0});
     if (hi[v] <= lo[v]) continue;
+    // Two passes over the vector's scores, each scaled after its sum as decode_span's:
+    // their max (exact in any order: two chains), then p = exp(s - max), its sum as
+    // lane_sum adds (16 lanes by key, then halvings) and its two bf16 parts (both RNE).
     const int64_t nv = hi[v] - lo[v];
-    float* sv = scores + v * kSpan + lo[v];
-    for (int64_t j = 0; j < nv; ++j) sv[j] *= scale;  // after the sum, as decode_span
-    const float m = max_of(sv, nv);
-    exp_shifted(sv, nv, m);
-    out.put(v, m, lane_sum(nv, [&](int64_t j) { return sv[j]; }));
-    for (int64_t j = 0; j < nv; j += 16) {  // hi = bf16(p), lo = bf16(p - hi), both RNE
-      const __mmask16 k = nv - j >= 16 ? 0xffff : (1u << (nv - j)) - 1;
-      const __m512 x = _mm512_maskz_loadu_ps(k, sv + j);
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    const float* sv = scores + v * kSpan + lo[v];
+    const auto mask = [&](int64_t j) -> __mmask16 {
+      return nv - j >= 16 ? 0xffff : (1u << (nv - j)) - 1;
+    };
+    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 m2[2] = {ninf, ninf};
+    for (int64_t j = 0; j < nv; j += 16)
+      m2[(j / 16) % 2] = _mm512_max_ps(
+          m2[(j / 16) % 2],
+          _mm512_mask_mul_ps(ninf, mask(j), _mm512_maskz_loadu_ps(mask(j), sv + j), vs));
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(m2[0], m2[1]));
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nv; j += 16) {
+      const __mmask16 k = mask(j);
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sv + j), vs);
+      const __m512 p = _mm512_maskz_mov_ps(k, exp_neg16(_mm512_sub_ps(x, vm)));
+      acc = _mm512_add_ps(acc, p);  // a tail's missing lanes add +0: no change
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
       const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+      const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hf));
       _mm256_mask_storeu_epi16(ph + lo[v] + j, k, h);
       _mm256_mask_storeu_epi16(pl + lo[v] + j, k, l);
     }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc);
+    for (int w = 8; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+    out.put(v, m, lanes[0]);
   }
   _tile_zero(0);
   _tile_zero(1);
