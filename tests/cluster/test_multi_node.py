@@ -74,8 +74,12 @@ def test_a_node_removed_mid_reply_leaves_one_continuous_reply(nodes, front):
         cluster.remove_node(doomed, allow_graceful=False)  # the machine, not the actor
         workers.remove(doomed)
 
+    # Removing a node takes Ray a few seconds to notice: a reply of 1,200 tokens is still
+    # being decoded then (300 could finish first on a fast machine: one stream ~170 tok/s).
     with client.websocket_connect("/ws") as ws:
-        serving = cut_mid_reply(c, ws, "node", "Tell me about the sea.", 11, remove_its_node)
+        serving = cut_mid_reply(
+            c, ws, "node", "Tell me about the sea.", 11, remove_its_node, length=1200
+        )
     # Usually nowhere to restart it until a node comes; where Ray has already found room
     # for it, the next test has no lost replica to watch.
     lost = serving if serving not in c.live else None

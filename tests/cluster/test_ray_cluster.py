@@ -86,15 +86,16 @@ def test_cancel_crosses_the_actor_boundary(cluster):
     wait_for(lambda: c.stats().num_running == 0)
 
 
-def cut_mid_reply(c, ws, name, text, seed, fault):
-    """Send a seeded 300-token reply, call `fault(replica)` on the replica serving it after
-    10 tokens, and check the client saw one continuous reply equal to an uninterrupted one
-    (the other replica replays the sent tokens through the same random stream). `fault` may
-    return a callable that undoes it, called once the reply is done. Returns the replica."""
+def cut_mid_reply(c, ws, name, text, seed, fault, length=300):
+    """Send a seeded reply of `length` tokens, call `fault(replica)` on the replica serving
+    it after 10 tokens, and check the client saw one continuous reply equal to an
+    uninterrupted one (the other replica replays the sent tokens through the same random
+    stream). `fault` may return a callable that undoes it, called once the reply is done.
+    Returns the replica."""
     sampled = {"temperature": 5.0, "seed": seed}
-    reference = say(ws, f"{name}-ref", f"{name}-ref", text, 300, **sampled)
+    reference = say(ws, f"{name}-ref", f"{name}-ref", text, length, **sampled)
     assert reference[-1]["type"] == "done"
-    params = {**sampled, "max_tokens": 300, "ignore_eos": True}
+    params = {**sampled, "max_tokens": length, "ignore_eos": True}
     resumed = c.resumed
     ws.send_json({"type": "chat", "id": name, "conversation_id": f"{name}-conv",
                   "messages": [{"role": "user", "content": text}],
@@ -113,7 +114,7 @@ def cut_mid_reply(c, ws, name, text, seed, fault):
     assert [f["seq"] for f in tokens] == list(range(len(tokens)))  # no gap, no duplicate
     done = frames[-1]
     assert done["type"] == "done" and done["finish_reason"] == "length"
-    assert done["usage"]["completion_tokens"] == 300
+    assert done["usage"]["completion_tokens"] == length
     assert text_of(frames) == text_of(reference)  # the same reply as uninterrupted
     assert c.resumed == resumed + 1  # it was cut, not finished before the fault
     return serving
