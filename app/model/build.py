@@ -258,9 +258,15 @@ def _use_cpu_kernels(model: LlamaModel, cfg: ModelConfig, fmt: WeightFormat) -> 
     if why is None:
         in_place = prompt_attention_in_place()
         model.use_ops(FusedCpuOps(in_place, decode_layers_weights))
+        arch = model.arch
+        path = torch.ops.parley.attention_path(
+            fmt.torch_dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads
+        )
         log.info(
-            "layer ops: Parley's CPU kernels (norms, rotary + K/V write, decode attention%s)",
+            "layer ops: Parley's CPU kernels (norms, rotary + K/V write, decode attention%s;"
+            " attention: %s)",
             ", prompt attention" if in_place else "; prompt attention: PyTorch's, without AVX-512",
+            path,
         )
     else:
         log.info("layer ops: PyTorch's; Parley's CPU kernels %s", why)

@@ -267,6 +267,22 @@ def test_amx_attention_is_its_own_arithmetic_and_as_close_to_float64():
     assert err[True] < 8e-3 and err[True] <= 1.5 * err[False], err
 
 
+def test_the_attention_path_is_named_as_it_runs():
+    """The start-up log's attention path: AMX exactly where the kernels take it (bf16, head
+    size 64, a process with AMX on), the vector path for every other case."""
+    amx = torch.ops.parley.q4_amx()
+    try:
+        for on in (True, False):
+            torch.ops.parley.q4_amx(on)
+            want = "AMX (tdpbf16ps)" if on and torch.ops.parley.q4_amx() else "vector"
+            assert torch.ops.parley.attention_path(torch.bfloat16, 64, 3) == want
+            assert torch.ops.parley.attention_path(torch.float32, 64, 3) == "vector"
+            assert torch.ops.parley.attention_path(torch.bfloat16, 128, 3) == "vector"
+            assert torch.ops.parley.attention_path(torch.bfloat16, 64, 17) == "vector"
+    finally:
+        torch.ops.parley.q4_amx(amx)
+
+
 def test_paged_decode_close_to_the_gathered_sdpa_path():
     H, Hkv, D, bs = 9, 3, 64, 16
     g = _gen(3)

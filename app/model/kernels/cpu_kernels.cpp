@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -1378,9 +1379,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {h, residual};
 }
 
+// Which arithmetic paged_decode and paged_prefill use for this dtype, head size and query
+// heads a K/V head: for the start-up log.
+std::string attention_path(at::ScalarType dtype, int64_t head_dim, int64_t groups) {
+  const bool amx = dtype == at::kBFloat16 ? amx_attention<c10::BFloat16>(head_dim, groups)
+                                          : amx_attention<float>(head_dim, groups);
+  return amx ? "AMX (tdpbf16ps)" : "vector";
+}
+
 }  // namespace
 
 TORCH_LIBRARY(parley, m) {
+  m.def("attention_path(ScalarType dtype, int head_dim, int groups) -> str", &attention_path);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def(
