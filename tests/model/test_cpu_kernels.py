@@ -195,13 +195,19 @@ def test_a_sliding_window_attends_its_last_keys_alike_decoded_prompted_or_chunke
                        none)  # fmt: skip
 
 
-def test_a_prompt_in_chunks_attends_as_the_whole_prompt(attention_path):
+def _bf16_cache(seed: int, blocks: int, rows: int):
+    """A random bf16 K/V cache of `blocks` blocks of 16 (9 query heads over 3 K/V heads of
+    64), its sequence's block table and `rows` queries."""
     H, Hkv, D, bs = 9, 3, 64, 16
-    g = _gen(11)
-    kc = torch.randn(64, bs, Hkv, D, generator=g).to(torch.bfloat16)
-    vc = torch.randn(64, bs, Hkv, D, generator=g).to(torch.bfloat16)
-    table = torch.randperm(64, generator=g)
-    q = torch.randn(900, H, D, generator=g).to(torch.bfloat16)
+    g = _gen(seed)
+    kc = torch.randn(blocks, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(blocks, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    table = torch.randperm(blocks, generator=g)
+    return kc, vc, table, torch.randn(rows, H, D, generator=g).to(torch.bfloat16)
+
+
+def test_a_prompt_in_chunks_attends_as_the_whole_prompt(attention_path):
+    kc, vc, table, q = _bf16_cache(11, 64, 900)
     whole = torch.ops.parley.paged_prefill(q, kc, vc, table, 0, 0.125)
     cuts = [0, 300, 301, 333, 900]
     chunks = [torch.ops.parley.paged_prefill(q[a:b], kc, vc, table, a, 0.125)
@@ -213,12 +219,8 @@ def test_keys_past_a_rows_reach_change_nothing_even_as_nan(attention_path):
     """The cache's slots past a sequence's length (and before a window) may hold anything:
     stale K/V, or NaN in memory never written. The tile path reads whole blocks of 32
     keys; those it must not use weigh nothing, so NaN there changes no bit."""
-    H, Hkv, D, bs = 9, 3, 64, 16
-    g = _gen(21)
-    kc = torch.randn(48, bs, Hkv, D, generator=g).to(torch.bfloat16)
-    vc = torch.randn(48, bs, Hkv, D, generator=g).to(torch.bfloat16)
-    table = torch.randperm(48, generator=g)
-    q = torch.randn(40, H, D, generator=g).to(torch.bfloat16)
+    kc, vc, table, q = _bf16_cache(21, 48, 40)
+    Hkv, D, bs = kc.shape[2], kc.shape[3], kc.shape[1]
     start, n = 500, 40  # keys 0 .. 539 in use: the rest of the 32-key block is not
     for window in (0, 100):
         clean_p = torch.ops.parley.paged_prefill(q, kc, vc, table, start, 0.125, window)
@@ -247,12 +249,7 @@ def test_amx_attention_is_its_own_arithmetic_and_as_close_to_float64():
     close to float64 as the vector path."""
     if not torch.ops.parley.q4_amx():
         pytest.skip("no AMX here (or the OS has not granted its tile state)")
-    H, Hkv, D, bs = 9, 3, 64, 16
-    g = _gen(22)
-    kc = torch.randn(80, bs, Hkv, D, generator=g).to(torch.bfloat16)
-    vc = torch.randn(80, bs, Hkv, D, generator=g).to(torch.bfloat16)
-    table = torch.randperm(80, generator=g)
-    q = torch.randn(1200, H, D, generator=g).to(torch.bfloat16)
+    kc, vc, table, q = _bf16_cache(22, 80, 1200)
     outs = {}
     try:
         for amx in (True, False):

@@ -545,35 +545,32 @@ void amx_span_operands(const T* k_cache, const T* v_cache, const int64_t* table,
                        int64_t from, int64_t to, int64_t valid_from, int64_t valid_to,
                        uint32_t* kt, uint32_t* vt) {
   constexpr int64_t D = kAmxD;
-  alignas(64) uint32_t zero[D / 2] = {};
+  alignas(64) static const uint16_t zero[D] = {};
   alignas(64) uint32_t keys[16][D / 2];  // 16 keys' rows, then turned into their tiles
+  // V's word interleave: words 0-15 of one row with those of the next, then words 16-31.
+  const __m512i lo_idx = [] {
+    alignas(64) uint16_t i[32];
+    for (int k = 0; k < 16; ++k) i[2 * k] = k, i[2 * k + 1] = 32 + k;
+    return _mm512_load_si512(i);
+  }();
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   for (int64_t j = from; j < to; j += 2) {
-    const uint32_t* row[2];
+    const uint16_t *kr[2], *vr[2];  // keys j, j + 1: their rows, or zeros
     for (int e = 0; e < 2; ++e) {
       const int64_t key = j + e, pos = first + key;
-      row[e] = key >= valid_from && key < valid_to
-                   ? reinterpret_cast<const uint32_t*>(
-                         k_cache + ((table[pos / block_size] * block_size + pos % block_size) *
-                                        kv_heads + h) * D)
-                   : zero;
-      std::memcpy(keys[key % 16], row[e], D * 2);
+      kr[e] = vr[e] = zero;
+      if (key >= valid_from && key < valid_to) {  // past them the table may end
+        const int64_t at =
+            ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
+        kr[e] = reinterpret_cast<const uint16_t*>(k_cache + at);
+        vr[e] = reinterpret_cast<const uint16_t*>(v_cache + at);
+      }
+      std::memcpy(keys[key % 16], kr[e], D * 2);
       if (key % 16 == 15) transpose_keys(keys, kt + (key / 16) * 2 * 256);
     }
     // V: keys j, j + 1 interleaved dim by dim: tile (j / 32, d / 16), row (j % 32) / 2.
-    const auto v_of = [&](int e) -> const uint16_t* {
-      const int64_t key = j + e, pos = first + key;
-      if (key < valid_from || key >= valid_to) return reinterpret_cast<const uint16_t*>(zero);
-      return reinterpret_cast<const uint16_t*>(
-          v_cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D);
-    };
-    const __m512i a = _mm512_loadu_si512(v_of(0)), b = _mm512_loadu_si512(v_of(0) + 32);
-    const __m512i c = _mm512_loadu_si512(v_of(1)), d = _mm512_loadu_si512(v_of(1) + 32);
-    static const __m512i lo_idx = [] {
-      alignas(64) uint16_t i[32];
-      for (int k = 0; k < 16; ++k) i[2 * k] = k, i[2 * k + 1] = 32 + k;
-      return _mm512_load_si512(i);
-    }();
-    static const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    const __m512i a = _mm512_loadu_si512(vr[0]), b = _mm512_loadu_si512(vr[0] + 32);
+    const __m512i c = _mm512_loadu_si512(vr[1]), d = _mm512_loadu_si512(vr[1] + 32);
     uint32_t* vb = vt + (j / 32) * 4 * 256 + ((j % 32) / 2) * 16;
     _mm512_storeu_si512(vb + 0 * 256, _mm512_permutex2var_epi16(a, lo_idx, c));
     _mm512_storeu_si512(vb + 1 * 256, _mm512_permutex2var_epi16(a, hi_idx, c));
