@@ -38,6 +38,7 @@ from app.llm import LLM
 MATMULS = (
     "parley::q4_matmul",
     "parley::block_matmul",
+    "parley::group_matmul",
     "parley::decode_layers",  # a whole int4 decode step's layers: mostly its matmuls
     "aten::_weight_int4pack_mm_for_cpu",
     "mkldnn::_linear_pointwise",

@@ -104,6 +104,8 @@ def test_a_row_has_the_same_bits_in_any_batch_on_any_thread_count(parley_kernels
     for i in (0, 5, 36):
         assert torch.equal(lin(x[i : i + 1]), whole[i : i + 1])
     assert torch.equal(lin(x[3:20]), whole[3:20])
+    assert torch.equal(lin(x[10:12]), whole[10:12])  # fewer rows than a tile: 2-row tiles
+    assert torch.equal(lin(x[20:23]), whole[20:23])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -60,6 +60,8 @@ def test_a_logit_has_the_same_bits_in_any_batch_on_any_thread_count():
     for i in range(37):
         assert torch.equal(head(x[i : i + 1]), whole[i : i + 1]), i
     assert torch.equal(head(x[5:16]), whole[5:16])
+    assert torch.equal(head(x[10:12]), whole[10:12])  # fewer rows than a tile: 2-row tiles
+    assert torch.equal(head(x[20:23]), whole[20:23])
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 3):
