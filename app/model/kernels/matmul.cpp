@@ -161,8 +161,8 @@ inline void tile(const W* w, const float* scales, const float* x, float* y, int6
     for (int m = 0; m < MR; ++m) acc[n][m] = vzero();
   const int64_t blocks = K / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {
-    // Rows a few tiles on, a tile's bytes spread over its blocks: each weight row is a
-    // short stream the hardware prefetcher would see too late.
+    // The tile's rows kPrefetchRows on, their bytes spread over its blocks: each weight row
+    // is a short stream the hardware prefetcher would see too late.
     const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * K) +
                         b * NR * kBlock * sizeof(W);
     for (int64_t c = 0; c < NR * kBlock * int64_t(sizeof(W)); c += 64) __builtin_prefetch(ahead + c);
