@@ -294,8 +294,7 @@ async def _keep_journal(journal: Journal, runner: TurnRunner) -> None:
     while True:
         await asyncio.sleep(every if journal.up else min(every, 1.0))
         try:
-            for turn in await journal.maintain():
-                runner.recover(turn)
+            await runner.keep_journal()
         except Exception:
             log.exception("journal upkeep failed; trying again")
 

@@ -157,9 +157,9 @@ class Journal(Recovery):
             await self._settle_abandoned()
             if self._live:
                 ids = list(self._live)
-                mine = await self._heartbeat([self.stream], [GROUP, self.config.consumer, *ids])
-                kept = {_text(i) for i in mine}
-                for lost in set(ids) - kept:
+                _, taken = await self._heartbeat([self.stream],
+                                                 [GROUP, self.config.consumer, *ids])  # fmt: skip
+                for lost in (_text(i) for i in taken):
                     entry = self._live.get(lost)
                     if entry is not None:  # None: it finished meanwhile
                         self._lose(entry)

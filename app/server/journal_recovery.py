@@ -143,7 +143,7 @@ class Recovery:
         released, self._released = self._released, []
         try:
             ids = [e.entry_id for e in released]
-            mine = await self._heartbeat([self.stream], [GROUP, self.config.consumer, *ids])
+            mine, _ = await self._heartbeat([self.stream], [GROUP, self.config.consumer, *ids])
             found = []
             for entry_id in (_text(i) for i in mine):
                 rows = await self._redis.xrange(self.stream, entry_id, entry_id)

@@ -23,8 +23,11 @@ ABANDON ends a turn without its record (it lost a write and ran on without durab
 it never showed a frame): acknowledged and its record deleted, only while the entry is
 still ours and the record still that accept's.
 
-HEARTBEAT refreshes the idle time of this process's entries that are still its own; TRIM
-drops acknowledged entries past the bound.
+HEARTBEAT refreshes the idle time of this process's entries that are still its own and
+names those another process holds now (taken over). An entry pending under nobody is
+neither: it was acknowledged, perhaps by this process's own end whose answer is still on
+its way, so not seeing it is no sign of a take-over (WRITE's fence catches a turn another
+process took and ended). TRIM drops acknowledged entries past the bound.
 """
 
 ACCEPT = """
@@ -105,16 +108,19 @@ return found
 """
 
 HEARTBEAT = """
--- KEYS: stream. ARGV: group, consumer, entry ids. Returns the ids still ours.
-local kept = {}
+-- KEYS: stream. ARGV: group, consumer, entry ids. Returns {ids still ours, ids another
+-- consumer holds}.
+local kept, taken = {}, {}
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if #p > 0 and p[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
     kept[#kept + 1] = ARGV[i]
+  elseif #p > 0 then
+    taken[#taken + 1] = ARGV[i]
   end
 end
-return kept
+return {kept, taken}
 """
 
 TRIM = """

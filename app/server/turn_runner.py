@@ -75,6 +75,7 @@ class TurnRunner:
         self.journal = journal
         self.closing = False  # shutting down: journaled turns stay pending for the next process
         self._tasks: set[asyncio.Task[None]] = set()
+        self._taking_up = asyncio.Lock()  # held while an upkeep round claims and takes up
 
     # -- what sockets ask -----------------------------------------------------------------
 
@@ -101,6 +102,11 @@ class TurnRunner:
         self.chat.check_access(principal, frame.conversation_id, frame.id)
         key = conversation_key(principal.tenant, frame.conversation_id)
         stream = self.streams.get(key)
+        if stream is None and self._taking_up.locked():
+            # The round under way may have claimed this very turn (its client was told to
+            # resume by the process that stalled): its stream opens when the round ends.
+            async with self._taking_up:
+                stream = self.streams.get(key)
         if stream is None and self.journal is not None:
             # Nothing here: perhaps it finished just before a restart, its `done` lost.
             done = await self.journal.find_finished(key, frame.id)
@@ -114,6 +120,13 @@ class TurnRunner:
             stream.cancel()
 
     # -- turns from the journal -----------------------------------------------------------
+
+    async def keep_journal(self) -> None:
+        """One upkeep round (heartbeat, trim, claims), taking up the turns it claimed."""
+        assert self.journal is not None
+        async with self._taking_up:
+            for turn in await self.journal.maintain():
+                self.recover(turn)
 
     def recover(self, turn: RecoveredTurn) -> None:
         """Take up a turn another process (or this one, before a restart) began: its

@@ -20,8 +20,10 @@ from app.server import protocol as p
 from app.server.app import ServerConfig, create_app
 from app.server.chat_service import ChatService
 from app.server.journal import GROUP, Journal, JournalConfig
-from app.server.journal_records import TurnRecord
+from app.server.journal_records import JournalEntry, RecoveredTurn, TurnRecord
 from app.server.security import Principal
+from app.server.streams import Streams
+from app.server.turn_runner import TurnRunner
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_streams import resume, tokens, wait_for
 from tests.server.test_ws_fake import until_terminal
@@ -240,6 +242,86 @@ def test_a_turn_taken_over_while_its_process_stalled_gets_no_more_writes_from_it
     asyncio.run(scenario())
 
 
+def test_a_turn_whose_own_end_is_in_flight_is_not_taken_for_taken_over(redis_server):
+    """The upkeep's heartbeat and a turn's end race on two connections: the end's script
+    runs first, its answer not back yet, when the heartbeat's answer arrives. The entry is
+    pending under nobody then; only one another process holds is lost (CI caught a turn
+    ended `done` in its record and `unavailable` to its client)."""
+
+    async def scenario():
+        journal = Journal(JournalConfig(redis_server.url, consumer="a", claim_after_s=0.3))
+        await journal.open()
+        ended = await journal.accept(record("t1", "c1"), "c1")
+        taken = await journal.accept(record("t2", "c2"), "c2")
+        for entry in (ended, taken):
+            assert await journal.progress(entry, 0, "Hi", [5], (3, 0))
+        r = redis.Redis.from_url(redis_server.url)
+        r.xack(STREAM, GROUP, ended.entry_id)  # its end ran in Redis, the answer on its way
+        r.xclaim(STREAM, GROUP, "b", 0, [taken.entry_id])  # another process took this one
+        await journal.maintain()
+        assert not ended.lost and taken.lost
+        assert journal.stats().taken_over == 1
+        await journal.close()
+
+    asyncio.run(scenario())
+
+
+class HeldRound:
+    """A journal whose upkeep round has claimed a turn and waits (its reads on the way)
+    until the test lets it return."""
+
+    def __init__(self, turn: RecoveredTurn) -> None:
+        self.turn, self.claimed, self.go = turn, asyncio.Event(), asyncio.Event()
+
+    async def maintain(self) -> list[RecoveredTurn]:
+        self.claimed.set()
+        await self.go.wait()
+        return [self.turn]
+
+    async def find_finished(self, conversation_key, turn_id):
+        return None
+
+
+class Frames:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    async def send(self, text: str) -> bool:
+        self.sent.append(json.loads(text))
+        return True
+
+    def release(self, stream) -> None:
+        pass
+
+
+def test_a_resume_that_arrives_while_its_turn_is_being_claimed_waits_for_the_claim(fake):
+    """The stalled process tells its client to resume as soon as it finds its turn taken
+    over; the resume can reach the taker before the taker's round has opened the turn's
+    stream. It waits for the round instead of answering unknown_id."""
+    end = p.done_frame("t1", "stop", p.Usage(3, 1, 0), p.Timings(None, None, None, None))
+    turn = RecoveredTurn(JournalEntry("1-0", "parley:rec:x"), record(), ["Hi"], [5], (3, 0),
+                         end, True)  # fmt: skip
+
+    async def scenario():
+        journal = HeldRound(turn)
+        runner = TurnRunner(ChatService(fake), Streams(), journal)
+        upkeep = asyncio.create_task(runner.keep_journal())
+        await journal.claimed.wait()
+        sink = Frames()
+        resume = asyncio.create_task(
+            runner.resume(p.ResumeFrame("t1", "c1", -1), Principal("", "client:x"), sink)
+        )
+        await asyncio.sleep(0.05)
+        assert not resume.done()  # it waits for the round
+        journal.go.set()
+        await upkeep
+        await (await resume).ended()
+        return sink.sent
+
+    sent = asyncio.run(scenario())
+    assert [f["type"] for f in sent] == ["start", "token", "done"]
+
+
 class StallingEngine(FakeEngine):
     """Blocks its event loop once, after `after` words: the whole process stalls."""
 
@@ -297,7 +379,7 @@ def test_a_turn_taken_over_stops_on_the_stalled_server_and_ends_once(tokenizer, 
             with b.websocket_connect("/ws") as ws:
                 ws.send_json(resume("t1", "c1", last))
                 rest = until_terminal(ws, ["t1"])["t1"]
-            assert rest[-1]["type"] == "done"
+            assert rest[-1]["type"] == "done", rest[-1]
             (key,) = redis.Redis.from_url(url).keys("parley:rec:*")
             end = redis.Redis.from_url(url).lrange(key, -1, -1)[0]
             assert json.loads(json.loads(end)["end"]) == rest[-1]  # the one end there is
