@@ -184,8 +184,10 @@ class Sampler:
             floor = torch.tensor([_log(p.min_p) for p in params], dtype=x.dtype, device=device)
             x.masked_fill_(x < floor.view(num_rows, 1), -math.inf)
 
-        probs = x.softmax(dim=-1)
-        cdf = probs.cumsum_(dim=-1)  # [R, V], non-decreasing
+        # The row's maximum is 0 (shifted above, kept by the filters): exp of it is
+        # unnormalized probability in (0, 1], and the draw scales by the row's total, so
+        # the softmax's own max pass, sum and division would change nothing but the cost.
+        cdf = x.exp_().cumsum_(dim=-1)  # [R, V], non-decreasing
         # Drawn on the host from each request's own (CPU) generator: the same numbers on
         # every device, so a seeded request draws the same tokens on a GPU.
         u = torch.stack([torch.rand((), generator=s.generator) for s in states]).to(device)
