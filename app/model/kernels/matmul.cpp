@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -196,35 +197,43 @@ void rows_of(const W* w, const float* scales, const float* x, float* y, int64_t 
   for (; m < M; ++m) tile<W, NR, 1>(w, scales, x + m * K, y + m * N, K, N);
 }
 
-template <typename W, int TR>
-void block_matmul_tiles(const W* w, const float* scales, const float* x, float* y, int64_t M,
-                        int64_t K, int64_t N) {
-  const int64_t blocks = K / kBlock;
+// The weight rows of y = x W^T in tiles of TR, split between threads: body(nr, n0) computes
+// weight rows [n0, n0 + nr) (nr a std::integral_constant) for every row of x. Enough tiles
+// an item that a thread's share is worth its wake-up, few enough that both threads get work:
+// the split never changes an element's bits. `blocks`: K / 32, a row of x's work against a
+// weight row.
+template <int TR, typename Body>
+void weight_tiles(int64_t M, int64_t blocks, int64_t N, const Body& body) {
   const int64_t tiles = (N + TR - 1) / TR;
-  // Enough tiles an item that a thread's share is worth its wake-up, few enough that both
-  // threads get work: the split never changes an element's bits.
   const int64_t grain = std::max<int64_t>(1, 4096 * kNR / TR / std::max<int64_t>(1, M * blocks));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * TR, nr = std::min<int64_t>(TR, N - n0);
-      const W* wt = w + n0 * K;
-      const float* st = scales ? scales + n0 * blocks : nullptr;
-      float* yt = y + n0;
-      switch (nr) {
-        case 4: rows_of<W, 4>(wt, st, x, yt, M, K, N); break;
-        case 3: rows_of<W, 3>(wt, st, x, yt, M, K, N); break;
-        case 2: rows_of<W, 2>(wt, st, x, yt, M, K, N); break;
-        default: rows_of<W, 1>(wt, st, x, yt, M, K, N); break;
+      const int64_t n0 = t * TR;
+      switch (std::min<int64_t>(TR, N - n0)) {
+        case 4: body(std::integral_constant<int, 4>{}, n0); break;
+        case 3: body(std::integral_constant<int, 3>{}, n0); break;
+        case 2: body(std::integral_constant<int, 2>{}, n0); break;
+        default: body(std::integral_constant<int, 1>{}, n0); break;
       }
     }
   });
 }
 
+// A decode (fewer rows of x than kMR) reads kFewNR weight rows a tile, anything more kNR.
+template <typename Body>
+void for_weight_tiles(int64_t M, int64_t blocks, int64_t N, const Body& body) {
+  if (M < kMR) weight_tiles<kFewNR>(M, blocks, N, body);
+  else weight_tiles<kNR>(M, blocks, N, body);
+}
+
 template <typename W>
 void block_matmul_impl(const W* w, const float* scales, const float* x, float* y, int64_t M,
                        int64_t K, int64_t N) {
-  if (M < kMR) block_matmul_tiles<W, kFewNR>(w, scales, x, y, M, K, N);
-  else block_matmul_tiles<W, kNR>(w, scales, x, y, M, K, N);
+  const int64_t blocks = K / kBlock;
+  for_weight_tiles(M, blocks, N, [&](auto nr, int64_t n0) {
+    const float* st = scales ? scales + n0 * blocks : nullptr;
+    rows_of<W, decltype(nr)::value>(w + n0 * K, st, x, y + n0, M, K, N);
+  });
 }
 
 // x (M, K) fp32 or bf16; weight (N, K) int8 with scales (N, K / 32) fp32, or bf16 / fp32
@@ -325,34 +334,14 @@ void group_rows(const int8_t* w, const float* sc, const float* of, const float* 
   for (; m < M; ++m) group_tile<G, kOff, NR, 1>(w, sc, of, x + m * K, y + m * N, K, N);
 }
 
-template <int G, bool kOff, int TR>
-void group_matmul_tiles(const int8_t* w, const float* sc, const float* of, const float* x,
-                        float* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t groups = K / G;
-  const int64_t tiles = (N + TR - 1) / TR;
-  const int64_t grain = std::max<int64_t>(1, 4096 * kNR / TR / std::max<int64_t>(1, M * K / kBlock));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * TR, nr = std::min<int64_t>(TR, N - n0);
-      const int8_t* wt = w + n0 * K;
-      const float* st = sc + n0 * groups;
-      const float* ot = kOff ? of + n0 * groups : nullptr;
-      float* yt = y + n0;
-      switch (nr) {
-        case 4: group_rows<G, kOff, 4>(wt, st, ot, x, yt, M, K, N); break;
-        case 3: group_rows<G, kOff, 3>(wt, st, ot, x, yt, M, K, N); break;
-        case 2: group_rows<G, kOff, 2>(wt, st, ot, x, yt, M, K, N); break;
-        default: group_rows<G, kOff, 1>(wt, st, ot, x, yt, M, K, N); break;
-      }
-    }
-  });
-}
-
 template <int G, bool kOff>
 void group_matmul_impl(const int8_t* w, const float* sc, const float* of, const float* x, float* y,
                        int64_t M, int64_t K, int64_t N) {
-  if (M < kMR) group_matmul_tiles<G, kOff, kFewNR>(w, sc, of, x, y, M, K, N);
-  else group_matmul_tiles<G, kOff, kNR>(w, sc, of, x, y, M, K, N);
+  const int64_t groups = K / G;
+  for_weight_tiles(M, K / kBlock, N, [&](auto nr, int64_t n0) {
+    const float* ot = kOff ? of + n0 * groups : nullptr;
+    group_rows<G, kOff, decltype(nr)::value>(w + n0 * K, sc + n0 * groups, ot, x, y + n0, M, K, N);
+  });
 }
 
 // x (M, K) fp32 or bf16; codes (N, K) int8; scales and offsets (N, K / group) fp32, offsets
@@ -397,6 +386,13 @@ at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 }
 
 }  // namespace
+
+namespace parley_kernels {  // for cpu_kernels.cpp's decode stacks
+at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, int64_t group) {
+  return ::group_matmul(x, codes, scales, offsets, group);
+}
+}  // namespace parley_kernels
 
 TORCH_LIBRARY_FRAGMENT(parley, m) {
   m.def("block_matmul(Tensor x, Tensor weight, Tensor? scales) -> Tensor");
