@@ -40,6 +40,7 @@ MATMULS = (
     "parley::block_matmul",
     "parley::group_matmul",
     "parley::decode_layers",  # a whole int4 decode step's layers: mostly its matmuls
+    "parley::decode_layers_normed",  # the same for Qwen3 and Gemma 3 (families)
     "aten::_weight_int4pack_mm_for_cpu",
     "mkldnn::_linear_pointwise",
     "quantized::linear_dynamic",

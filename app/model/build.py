@@ -35,6 +35,7 @@ from app.model.quant.int4 import (
     int4_linears,
     int4_state_dict,
     model_from_int4,
+    normed_layers_weights,
 )
 from app.model.quant.int8 import (
     QUANT_FORMAT,
@@ -75,6 +76,7 @@ class WeightFormat:
     quantization: str  # "none" | "int8" | "int4"
     dtype: str  # "float32" | "bfloat16" | "float16"
     why: str = ""
+    stored: tuple[str, ...] = ()  # int4: the GGUF types its linears run as stored
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -84,6 +86,12 @@ class WeightFormat:
         weights = {"none": "weights as loaded", "int8": "int8 weights (W8A8, fbgemm)"}.get(
             self.quantization, "int4 weights (groups of 32, bf16 matmuls)"
         )
+        if self.quantization == "int4" and not set(self.stored) <= NATIVE_4BIT:
+            # K-quants, Q5_0/Q5_1, Q8_0 beside or instead of Q4_0/Q4_1 (app.model.quant.kquants)
+            weights = (
+                f"GGUF weights as stored ({'/'.join(self.stored)}: Q4_0/Q4_1 as int4, "
+                "the others as int8 codes with the file's group scales)"
+            )
         return f"{weights}, {self.dtype} activations and K/V"
 
 
@@ -141,7 +149,8 @@ def choose_format(cfg: ModelConfig, loaded: LoadedModel, device: str) -> WeightF
             raise ValueError("int4 weights need the CPU and PyTorch's CPU int4 kernel (>= 2.6)")
         if dtype not in ("bfloat16", "float32"):
             raise ValueError("int4 runs with bfloat16 or float32 activations")
-    return WeightFormat(quantization, dtype, "; ".join(why))
+    stored = tuple(sorted(loaded.linear_types() & AS_STORED)) if quantization == "int4" else ()
+    return WeightFormat(quantization, dtype, "; ".join(why), stored)
 
 
 def build_model(
@@ -257,7 +266,7 @@ def _use_cpu_kernels(model: LlamaModel, cfg: ModelConfig, fmt: WeightFormat) -> 
     why = _cpu_kernels(cfg, fmt)  # loaded once a process: a second ask is a lookup
     if why is None:
         in_place = prompt_attention_in_place()
-        model.use_ops(FusedCpuOps(in_place, decode_layers_weights))
+        model.use_ops(FusedCpuOps(in_place, decode_layers_weights, normed_layers_weights))
         arch = model.arch
         path = torch.ops.parley.attention_path(
             fmt.torch_dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads

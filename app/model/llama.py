@@ -132,6 +132,14 @@ class TorchOps:
         """The whole layer stack in one call, where the ops can; None: layer by layer."""
         return None
 
+    def decode_normed_layers(
+        self, model: LlamaModel, h: torch.Tensor, rope: object, local_rope: object,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """decode_layers for a family with q/k norms (app/model/families), `local_rope` the
+        local layers' rotary; None: layer by layer."""
+        return None
+
     def rope_store(
         self, qkv: torch.Tensor, rope: object, kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata, arch: ArchConfig,
@@ -159,12 +167,20 @@ class FusedCpuOps(TorchOps):
         self,
         prefill_in_place: bool = True,
         layer_weights: Callable[[LlamaModel], list[torch.Tensor]] | None = None,
+        normed_weights: Callable[[LlamaModel], tuple | None] | None = None,
     ) -> None:
         self.prefill_in_place = prefill_in_place
         # What decode_layers reads of the model (quant/int4.py: decode_layers_weights), or
         # None: these weights have no one-call stack, layers go one by one.
         self._layer_weights = layer_weights
         self._weights: list[torch.Tensor] | None = None  # decode_layers' flat list, once
+        # The same for decode_layers_normed (quant.int4: normed_layers_weights), read once.
+        self._normed_weights = normed_weights
+        self._normed: tuple | bool | None = False  # False: not read yet
+
+    @staticmethod
+    def _decode_only(h: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return not meta.prefills and meta.decode_lens is not None and meta.num_decodes == h.shape[0]
 
     def attention(self, block_size: int, query_groups: int, dtype: torch.dtype) -> AttentionBackend:
         return CpuKernelBackend(block_size, query_groups, dtype, self.prefill_in_place)
@@ -178,7 +194,7 @@ class FusedCpuOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """A decode-only step over int4 weights runs the layers in one C++ call: the same
         ops in the same order as layer by layer, without their ~15 Python calls a layer."""
-        if meta.prefills or meta.decode_lens is None or meta.num_decodes != h.shape[0]:
+        if not self._decode_only(h, meta):
             return None
         if not model.stackable:  # a family's own layers (app/model/families)
             return None
@@ -193,6 +209,31 @@ class FusedCpuOps(TorchOps):
             meta.decode_lens, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             self._weights, a.num_heads, a.num_kv_heads, a.rms_norm_eps,
             a.head_dim**-0.5,
+        )  # fmt: skip
+
+    def decode_normed_layers(
+        self, model: LlamaModel, h: torch.Tensor, rope: object, local_rope: object,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """A decode-only step of a family with q/k norms in one C++ call, where every linear
+        runs on Parley's int4 or group kernels: the same ops in the same order as its Python
+        layers (app/model/families), so the same bits."""
+        if not self._decode_only(h, meta):
+            return None
+        if self._normed is False:
+            self._normed = self._normed_weights(model) if self._normed_weights else None
+        if self._normed is None:
+            return None
+        linears, kinds, norms, windows = self._normed  # type: ignore[misc]
+        cos, sin, positions = rope  # type: ignore[misc]
+        local_cos, local_sin, _ = local_rope  # type: ignore[misc]
+        a = model.arch
+        return torch.ops.parley.decode_layers_normed(
+            h, cos, sin, local_cos, local_sin, positions, meta.slot_mapping,
+            meta.decode_block_tables, meta.decode_lens, [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], linears, kinds, norms, windows, a.num_heads,
+            a.num_kv_heads, a.rms_norm_eps, model.layers[0].scale, len(norms) > 4 * len(windows),
+            model.gelu,
         )  # fmt: skip
 
     def norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -261,6 +302,7 @@ class LlamaModel(nn.Module):
     for tokens in the middle of a prompt)."""
 
     stackable = True  # its layers are Llama's own, which Parley's decode_layers computes
+    gelu = False  # the MLP's activation: SiLU (GELU, tanh approximation, where True)
 
     def __init__(
         self,
@@ -327,7 +369,7 @@ class LlamaModel(nn.Module):
         """Returns logits (S, vocab)."""
         h, residual = self.embed_tokens(input_ids), None
         rope = self.ops.rope(self.rotary, positions)
-        stacked = self.ops.decode_layers(self, h, rope, kv_caches, meta)
+        stacked = self._decode_stack(h, rope, kv_caches, meta)
         if stacked is not None:
             h, residual = stacked
         else:
@@ -337,6 +379,13 @@ class LlamaModel(nn.Module):
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h)
         return F.linear(h, self.lm_head_weight).float()  # the sampler works in fp32
+
+    def _decode_stack(
+        self, h: torch.Tensor, rope: object,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """The layers in one call where the ops can (a family's own: decode_normed_layers)."""
+        return self.ops.decode_layers(self, h, rope, kv_caches, meta)
 
     def forward_tokens(self, ids: list[int], logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """One causal pass over `ids` outside the engine, with a scratch K/V cache of its

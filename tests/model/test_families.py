@@ -135,3 +135,52 @@ def test_quantized_linears_run_as_stored(family, kind, tmp_path, tokenizer):
     diff = (got - want).abs().max().item()
     tol = 0.1 if built.format.dtype == "bfloat16" else 1e-3
     assert diff < tol, f"max |logit difference| {diff} ({built.format.dtype})"
+
+
+@pytest.mark.parametrize("family,kind", [("gemma3", "Q5_1"), ("gemma3", "Q8_0"), ("qwen3", "Q4_0")])
+def test_the_families_layer_stack_in_one_call_equals_layer_by_layer(
+    family, kind, tmp_path, tokenizer, monkeypatch
+):
+    """Decode steps through decode_layers_normed (one C++ call for all layers: q/k norms,
+    Gemma's sandwich norms, GELU and local windows; group_matmul with and without offsets,
+    q4_matmul) give the same bits as the family's Python layers with the same kernels, past
+    the local window (8 positions) and in a batch of two."""
+    from app.config import CacheConfig, EngineConfig
+    from app.engine.engine import LLMEngine
+    from app.engine.engine_request import EngineRequest
+    from app.engine.request import SamplingParams
+    from app.model.llama import FusedCpuOps
+
+    hf = tiny_hf(family, len(tokenizer))
+    source = default_model_path(default_cache_dir())
+    path = write_family_gguf(hf, tmp_path / "q.gguf", source, GGMLQuantizationType[kind])
+    model_cfg = ModelConfig(model=str(path), cache_dir=tmp_path / "cache", cpu_kernels="on")
+    loaded = load_model(model_cfg)
+    config = EngineConfig(model=model_cfg, cache=CacheConfig(16 << 20))
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
+    prompts = [list(range(1000, 1005)), list(range(2000, 2011))]
+    calls, runs = [], []
+    for stacked in (True, False):
+        engine = LLMEngine(config, loaded)
+        assert isinstance(engine.model.ops, FusedCpuOps)
+        one_call = FusedCpuOps.decode_normed_layers
+
+        def spy(self, *args, _real=one_call, _on=stacked):
+            out = _real(self, *args) if _on else None
+            calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(FusedCpuOps, "decode_normed_layers", spy)
+        for i, p in enumerate(prompts):
+            engine.add_request(EngineRequest(p, params, f"r{i}"))
+        got: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(
+                    (lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []
+                )
+        runs.append(got)
+        engine.close()
+        monkeypatch.undo()
+    assert any(calls) and not all(calls)  # the one-call path ran, and so did the layers
+    assert len(runs[0]["r0"]) == 20 and runs[0] == runs[1]

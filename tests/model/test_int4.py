@@ -355,6 +355,27 @@ def test_auto_serves_4bit_checkpoints_in_int4(tokenizer, monkeypatch, bf16):
     assert (fmt.quantization, fmt.dtype) == ("int4", "bfloat16" if bf16 else "float32")
     assert "Q4_1" in fmt.why
     assert ("this CPU has native bf16" in fmt.why) == bf16
+    assert fmt.describe().startswith("int4 weights (groups of 32")
+
+
+def test_the_start_up_line_names_the_gguf_types_served_as_stored(tokenizer, monkeypatch):
+    """A Q4_K_M file's linears are not int4 in groups of 32: the engine's start-up line says
+    which types run as stored, and how."""
+    fake_cpu(monkeypatch, True)
+    loaded = tiny_loaded(tokenizer)
+    loaded.tensor_types = {
+        "model.layers.0.self_attn.q_proj.weight": "Q5_0",
+        "model.layers.0.mlp.down_proj.weight": "Q6_K",
+        "model.layers.0.mlp.up_proj.weight": "Q4_K",
+    }
+    fmt = choose_format(AUTO, loaded, "cpu")
+    assert fmt.stored == ("Q4_K", "Q5_0", "Q6_K")
+    assert fmt.describe().startswith("GGUF weights as stored (Q4_K/Q5_0/Q6_K: ")
+    assert "groups of 32" not in fmt.describe()
+    # A float checkpoint rounded to int4 here has no stored types: groups of 32.
+    loaded.tensor_types = {"model.layers.0.mlp.down_proj.weight": "F16"}
+    fmt = choose_format(ModelConfig(quantization="int4", dtype="auto"), loaded, "cpu")
+    assert fmt.stored == () and fmt.describe().startswith("int4 weights (groups of 32")
 
 
 def test_auto_keeps_float_checkpoints_as_they_are(tokenizer, monkeypatch):

@@ -83,7 +83,8 @@ class Gemma3Layer(DecoderLayer):
 class Gemma3Model(LlamaModel):
     """The Gemma 3 decoder on the engine's flat batches (LlamaModel's interface)."""
 
-    stackable = False
+    stackable = False  # its decode stack is decode_layers_normed's
+    gelu = True
 
     def __init__(
         self,
@@ -117,9 +118,13 @@ class Gemma3Model(LlamaModel):
             False: self.ops.rope(self.rotary, positions),
             True: self.ops.rope(self.rotary_local, positions),
         }
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            rope = ropes[layer.window is not None]
-            h, residual = layer(h, residual, rope, kv, meta, positions)
+        stacked = self.ops.decode_normed_layers(self, h, ropes[False], ropes[True], kv_caches, meta)
+        if stacked is not None:
+            h, residual = stacked
+        else:
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                rope = ropes[layer.window is not None]
+                h, residual = layer(h, residual, rope, kv, meta, positions)
         h = self.ops.norm((residual + h)[logits_indices], self.norm)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h)

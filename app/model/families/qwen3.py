@@ -70,8 +70,8 @@ class Qwen3Layer(DecoderLayer):
 
 
 class Qwen3Model(LlamaModel):
-    """Llama's decoder over Qwen3Layers. Not stackable: Parley's one-call decode stack
-    knows Llama's layer only."""
+    """Llama's decoder over Qwen3Layers: a decode step's stack in one call is
+    decode_layers_normed's (Llama's decode_layers knows Llama's layer only)."""
 
     stackable = False
 
@@ -84,3 +84,9 @@ class Qwen3Model(LlamaModel):
     ) -> None:
         super().__init__(arch, max_positions, dtype, device)
         self.layers = torch.nn.ModuleList(Qwen3Layer(arch, device) for _ in range(arch.num_layers))
+
+    def _decode_stack(
+        self, h: torch.Tensor, rope: object,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        return self.ops.decode_normed_layers(self, h, rope, rope, kv_caches, meta)

@@ -35,6 +35,8 @@ namespace parley_kernels {  // qmatmul.cpp
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const at::Tensor& m, c10::optional<at::ScalarType> out_dtype);
 bool amx_enabled();
+at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, int64_t group);  // matmul.cpp
 }
 
 namespace {
@@ -1376,6 +1378,74 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {h, residual};
 }
 
+// The stack of a family with per-head q/k norms (Qwen3; Gemma 3 with its sandwich norms,
+// GELU and local layers): the same ops in the same order as its Python layer
+// (app/model/families) with FusedCpuOps, so the same bits.
+//
+// linears: per layer qkv, o_proj, gate_up, down as 3 tensors each, `kinds` saying which
+// kernel: 0 for q4_matmul's (codes, d, m), 16 or 32 for group_matmul's (codes, scales,
+// offsets) with that group (offsets empty: none). norms: per layer input, post, q, k, and
+// with `sandwich` the attention's and the MLP's output norms. windows: per layer, 0 for
+// global attention (rotary tables cos/sin), else local (local_cos/local_sin).
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind) {
+  if (kind == 0) return parley_kernels::q4_matmul(x, w[0], w[1], w[2], x.scalar_type());
+  const c10::optional<at::Tensor> off =
+      w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
+  return parley_kernels::group_matmul(x, w[0], w[1], off, kind).to(x.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layers_normed(
+    const at::Tensor& h0, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& local_cos, const at::Tensor& local_sin, const at::Tensor& positions,
+    const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
+    at::TensorList k_caches, at::TensorList v_caches, at::TensorList linears,
+    at::IntArrayRef kinds, at::TensorList norms, at::IntArrayRef windows, int64_t heads,
+    int64_t kv_heads, double eps, double scale, bool sandwich, bool gelu) {
+  const int64_t layers = k_caches.size(), per_norms = sandwich ? 6 : 4;
+  TORCH_CHECK(v_caches.size() == static_cast<size_t>(layers) &&
+                  linears.size() == static_cast<size_t>(12 * layers) &&
+                  kinds.size() == static_cast<size_t>(4 * layers) &&
+                  norms.size() == static_cast<size_t>(per_norms * layers) &&
+                  windows.size() == static_cast<size_t>(layers),
+              "decode_layers_normed: per layer 2 caches, 4 linears of 3 tensors, ", per_norms,
+              " norms and a window");
+  const int64_t T = h0.size(0), D = cos.size(1);
+  const int64_t q_size = heads * D, kv_size = kv_heads * D;
+  at::Tensor h = h0, residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = linears.data() + 12 * l;
+    const int64_t* kind = kinds.data() + 4 * l;
+    const at::Tensor* nw = norms.data() + per_norms * l;
+    at::Tensor x;
+    if (l == 0) {
+      x = rms_norm(h, nw[0], eps);
+      residual = h;
+    } else {
+      std::tie(x, residual) = add_rms_norm(h, residual, nw[0], eps);
+    }
+    auto qkv = linear(x, w, kind[0]);
+    auto q = rms_norm(qkv.narrow(1, 0, q_size).reshape({-1, D}).contiguous(), nw[2], eps);
+    auto k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({-1, D}).contiguous(), nw[3], eps);
+    qkv = at::cat({q.view({T, -1}), k.view({T, -1}), qkv.narrow(1, q_size + kv_size, kv_size)},
+                  -1);
+    const bool local = windows[l] > 0;
+    auto qk = rope_store(qkv, local ? local_cos : cos, local ? local_sin : sin, positions, slots,
+                         k_caches[l], v_caches[l], heads, kv_heads);
+    auto o = paged_decode(qk.narrow(1, 0, heads), k_caches[l], v_caches[l], tables, lens, scale,
+                          windows[l]);
+    auto attn = linear(o.reshape({T, q_size}), w + 3, kind[1]);
+    if (sandwich) attn = rms_norm(attn, nw[4], eps);
+    std::tie(x, residual) = add_rms_norm(attn, residual, nw[1], eps);
+    auto halves = linear(x, w + 6, kind[2]).chunk(2, -1);
+    auto act = gelu ? at::gelu(halves[0], "tanh").mul_(halves[1])
+                    : at::silu(halves[0]).mul_(halves[1]);
+    h = linear(act, w + 9, kind[3]);
+    if (sandwich) h = rms_norm(h, nw[5], eps);
+  }
+  return {h, residual};
+}
+
 // Which arithmetic paged_decode and paged_prefill use for this dtype, head size and query
 // heads a K/V head: for the start-up log.
 std::string attention_path(at::ScalarType dtype, int64_t head_dim, int64_t groups) {
@@ -1404,6 +1474,12 @@ TORCH_LIBRARY(parley, m) {
       "Tensor tables, Tensor lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor[] weights, int heads, int kv_heads, float eps, float scale) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "decode_layers_normed(Tensor h, Tensor cos, Tensor sin, Tensor local_cos, "
+      "Tensor local_sin, Tensor positions, Tensor slots, Tensor tables, Tensor lens, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] linears, int[] kinds, "
+      "Tensor[] norms, int[] windows, int heads, int kv_heads, float eps, float scale, "
+      "bool sandwich, bool gelu) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(parley, CPU, m) {
@@ -1413,4 +1489,5 @@ TORCH_LIBRARY_IMPL(parley, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("paged_prefill", &paged_prefill);
   m.impl("decode_layers", &decode_layers);
+  m.impl("decode_layers_normed", &decode_layers_normed);
 }

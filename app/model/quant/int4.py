@@ -250,6 +250,39 @@ def decode_layers_weights(model: LlamaModel) -> list[torch.Tensor]:
     return out
 
 
+def normed_layers_weights(model: LlamaModel) -> tuple[list, list[int], list, list[int]] | None:
+    """What Parley's decode_layers_normed reads of a family with q/k norms (Qwen3, Gemma 3):
+    per layer its four linears as (3 tensors, kind: 0 for int4 on q4_matmul, else the group
+    of group_matmul), its norms' weights (input, post, q, k, then Gemma's attention and MLP
+    output norms) and its window (0: global). None unless every linear runs on one of those
+    kernels, without a bias."""
+    linears: list[torch.Tensor] = []
+    kinds: list[int] = []
+    norms: list[torch.Tensor] = []
+    windows: list[int] = []
+    for layer in model.layers:
+        for name in LINEARS:  # qkv, o_proj, gate_up, down
+            lin = getattr(layer, name)
+            if isinstance(lin, Int4Linear) and lin.kernel == "parley" and lin.bias is None:
+                linears += [lin.codes, lin.d, lin.m]
+                kinds.append(0)
+            elif (
+                isinstance(lin, GroupLinear) and lin.kernel and lin.bias is None
+                and not lin.fp32_out
+            ):  # fmt: skip
+                none = torch.empty(0)
+                linears += [lin.codes, lin.scale, none if lin.offset is None else lin.offset]
+                kinds.append(lin.group)
+            else:
+                return None
+        norms += [layer.input_norm.weight, layer.post_norm.weight]
+        norms += [layer.q_norm.weight, layer.k_norm.weight]
+        if hasattr(layer, "attn_out_norm"):
+            norms += [layer.attn_out_norm.weight, layer.mlp_out_norm.weight]
+        windows.append(getattr(layer, "window", None) or 0)
+    return linears, kinds, norms, windows
+
+
 def _parts(arch: ArchConfig) -> dict[str, list[tuple[str, int]]]:
     """Our fused linears as stacks of Hugging Face ones: (name, rows) from the top."""
     return {
