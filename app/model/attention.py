@@ -203,7 +203,7 @@ def attend(
             else:  # query head h = kv * G + g: (1, H, n, D) -> (1, Hkv, G * n, D)
                 folded = qs.reshape(1, num_kv_heads, -1, D)
                 o = F.scaled_dot_product_attention(folded, ks, vs, attn_mask=p.mask, scale=scale)
-                o = o.view(qs.shape)
+                o = o.reshape(qs.shape)  # CUDA's SDPA output is not always viewable
         out[s:e] = o[0].transpose(0, 1)
     return out
 

@@ -48,6 +48,10 @@ class FlexDecode:
         self.context_lens = torch.ones(max_seqs, **i32)
         self.positions = torch.arange(num_blocks, **i32)
         self._used = (0, 0)  # rows and width the last write() set in `logical`
+        # Where PyTorch's decoding kernel does not apply (a batch size that recompiled as
+        # dynamic, query heads per KV head not a power of two), its general kernel runs,
+        # whose KV tile must divide the cache block: its default (64 or more) refuses 16.
+        self.kernel_options = {"BLOCK_N": min(block_size, 64)}
         # Eager flex_attention computes the full score matrix: fine for tests, not for use.
         self._flex = torch.compile(flex_attention) if compiled else flex_attention
 
@@ -111,6 +115,12 @@ class PagedDecode:
         k = k_cache.view(1, -1, hkv, D).transpose(1, 2)  # (1, Hkv, slots, D): a view
         v = v_cache.view(1, -1, hkv, D).transpose(1, 2)
         o = self.flex._flex(
-            q.unsqueeze(2), k, v, block_mask=self.block_mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2),
+            k,
+            v,
+            block_mask=self.block_mask,
+            scale=scale,
+            enable_gqa=True,
+            kernel_options=self.flex.kernel_options,
         )  # (B, H, 1, D)
         return o.view(B, H, D)

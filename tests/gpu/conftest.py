@@ -25,6 +25,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _room_for_recompiles():
+    """These suites build engines of other dtypes, head sizes, cache sizes and batch sizes
+    in one process, each a new FlexAttention compilation: past dynamo's recompile limit (8)
+    the call runs eagerly, and eager flex_attention cannot be captured in a CUDA graph (the
+    requests fail). A server builds one engine; give the suites the room of many."""
+    import torch._dynamo
+
+    old = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 256
+    yield
+    torch._dynamo.config.recompile_limit = old
+
+
 @pytest.fixture(scope="session")
 def tokenizer(request):
     folder = os.environ.get("PARLEY_TEST_TOKENIZER")
