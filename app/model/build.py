@@ -49,6 +49,7 @@ from app.model.quant.kquants import (
     GroupEmbedding,
     GroupLinear,
     GroupWeight,
+    TiledGroupWeight,
     group_matmul_available,
 )
 from app.model.quant.q8_0 import BlockLinear, Q8Embedding, Q8Weight, block_matmul_available
@@ -63,7 +64,7 @@ EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 LM_HEAD_OURS = "lm_head.weight"  # the same name in our layout (app.model.loader.fuse_weights)
 NATIVE_4BIT = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 kernel runs as they are
 # GGUF types served as stored, whatever their bits: NATIVE_4BIT on q4_matmul, the others
-# (K-quants, Q5_0/Q5_1, Q8_0) as int8 codes with fp32 group scales on group_matmul.
+# (K-quants, Q5_0/Q5_1, Q8_0) on group_matmul with fp32 group scales.
 AS_STORED = GROUP_TYPES
 EXACT_REFERENCE = "--quantization none --dtype float32"
 
@@ -90,7 +91,7 @@ class WeightFormat:
             # K-quants, Q5_0/Q5_1, Q8_0 beside or instead of Q4_0/Q4_1 (app.model.quant.kquants)
             weights = (
                 f"GGUF weights as stored ({'/'.join(self.stored)}: Q4_0/Q4_1 as int4, "
-                "the others as int8 codes with the file's group scales)"
+                "the others on group_matmul with the file's group scales)"
             )
         return f"{weights}, {self.dtype} activations and K/V"
 
@@ -196,41 +197,54 @@ def _int4_head(
     float_head: torch.Tensor | None = None,
 ) -> None:
     """The int4 model's embedding and LM head: from the checkpoint's Q8_0 bytes where it
-    has them (app.model.quant.q8_0), and the LM head on Parley's block_matmul wherever the
-    kernels are loaded (a logit's bits then depend on nothing but the token's row); else
+    has them (app.model.quant.q8_0), and the LM head on Parley's group_matmul or
+    block_matmul wherever the kernels are loaded (a logit's bits then depend on nothing but
+    the token's row); else
     oneDNN's packed bf16 head, as model_from_int4 left it. `kernel`: Parley's kernels
     serve this model (--cpu-kernels)."""
     embedding = q8.get(EMBEDDING)
     head = embedding if model.arch.tie_word_embeddings else q8.get(LM_HEAD)
     kernel = kernel and block_matmul_available() and group_matmul_available()
+    tiled = None
     if kernel:
-        if isinstance(head, GroupWeight):
-            model.packed_lm_head = GroupLinear(head, fp32_out=True)
+        if isinstance(head, GroupWeight) or (head is not None and dtype == torch.bfloat16):
+            # The checkpoint's quantized head on group_matmul (bf16 dot products: x is bf16
+            # already), tiled once; a tied embedding looks its rows up in the same bytes.
+            tiled = TiledGroupWeight.tile(_as_group(head))
+            model.packed_lm_head = GroupLinear(tiled, fp32_out=True)
+        elif head is not None:
+            # fp32 activations (no native bf16): block_matmul keeps them exact.
+            model.packed_lm_head = BlockLinear(head)
         else:
             # An untied float head: the checkpoint's (model_from_int4 packed it for oneDNN
             # and dropped the module, so lm_head_weight would name the embedding).
             fallback = model.lm_head_weight if float_head is None else float_head.to(dtype)
-            model.packed_lm_head = BlockLinear(head if head is not None else fallback)
+            model.packed_lm_head = BlockLinear(fallback)
         model.lm_head = None
     if embedding is not None and (kernel or not model.arch.tie_word_embeddings):
-        if isinstance(embedding, GroupWeight):
+        if head is embedding and tiled is not None:
+            model.embed_tokens = GroupEmbedding(tiled, dtype)
+            model.embed_tokens.weight_nbytes = 0  # one copy of the bytes serves both
+        elif isinstance(embedding, GroupWeight):
             model.embed_tokens = GroupEmbedding(embedding, dtype)
         else:
             model.embed_tokens = Q8Embedding(embedding, dtype)
-        if head is embedding:
-            model.embed_tokens.weight_nbytes = 0  # one copy of the bytes serves both
 
     def kind(w: object) -> str:
         if isinstance(w, Q8Weight):
             return "Q8_0 as stored"
-        return "as stored (int8 codes)" if isinstance(w, GroupWeight) else f"{dtype}"
+        return "as stored" if isinstance(w, GroupWeight) else f"{dtype}"
 
-    on = "Parley's group_matmul" if isinstance(head, GroupWeight) else "Parley's block_matmul"
+    on = "Parley's group_matmul" if tiled is not None else "Parley's block_matmul"
     log.info(
         "embedding: %s; LM head: %s",
         kind(embedding) if embedding is not None and kernel else f"{dtype}",
         kind(head) + (f" on {on}" if kernel else " on oneDNN"),
     )
+
+
+def _as_group(w: Q8Weight | GroupWeight) -> GroupWeight:
+    return w if isinstance(w, GroupWeight) else GroupWeight(w.codes, w.scale, None, 32)
 
 
 def prompt_attention_in_place() -> bool:
@@ -302,7 +316,7 @@ def _kernels_by_type(loaded: LoadedModel, kernel: str) -> str:
         if t in NATIVE_4BIT:
             out.append(f"{t} on {q4} (where a fused linear mixes types: {group})")
         elif t in AS_STORED:
-            out.append(f"{t} as int8 codes with fp32 group scales on {group}")
+            out.append(f"{t} with fp32 group scales on {group}")
         else:
             out.append(f"{t} rounded to 4 bits on {q4}")
     return "; ".join(out) or "floats rounded to 4 bits"
@@ -334,7 +348,7 @@ def _int4_model(
         heads = frozenset((EMBEDDING, LM_HEAD))
         for name, w in iter_group_weights(reader, loaded.arch):
             if name in heads:
-                # Per 32 without offsets (Q8_0, Q5_0) is Q8Weight's form: block_matmul.
+                # Per 32 without offsets (Q8_0, Q5_0) is Q8Weight's form.
                 q8[name] = Q8Weight(w.codes, w.scale) if w.group == 32 and w.offset is None else w
             elif name.endswith("_proj.weight"):
                 stored[name] = w

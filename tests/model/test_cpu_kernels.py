@@ -427,10 +427,20 @@ def test_an_avx2_build_computes_the_same(tmp_path):
         q4 = Int4Linear(quantize_rtn(torch.randn(96, 576, generator=g)), None, x.dtype, "parley")
         codes = torch.randint(-128, 128, (70, 576), generator=g, dtype=torch.int8)
         scales = torch.rand(70, 18, generator=g)
+        from app.model.quant.kquants import GroupLinear, GroupWeight
+        groups = {{}}  # group_matmul at each code width, with and without offsets
+        for lo, hi, group, off in [(0, 16, 32, True), (-16, 16, 32, False),
+                                   (-32, 32, 16, False), (-128, 128, 32, False)]:
+            gw = GroupWeight(torch.randint(lo, hi, (48, 576), generator=g).to(torch.int8),
+                             torch.rand(48, 576 // group, generator=g),
+                             torch.randn(48, 576 // group, generator=g) if off else None, group)
+            lin = GroupLinear(gw, fp32_out=True)
+            groups[lin.tiled.bits] = [lin(x), lin(x[:1])]
         out = dict(norm=torch.ops.parley.rms_norm(x, w, 1e-5),
                    head=torch.ops.parley.block_matmul(x, codes, scales),
                    head_bf16=torch.ops.parley.block_matmul(x, codes.bfloat16(), None),
                    q4=torch.ops.parley.q4_matmul(x, q4.codes, q4.d, q4.m, torch.float32),
+                   groups=groups,
                    attn=torch.ops.parley.paged_decode(q, kc, vc, tables, torch.tensor([7, 600]),
                                                       0.125),
                    prompt=torch.ops.parley.paged_prefill(q.repeat(20, 1, 1), kc, vc, tables[0],
@@ -458,6 +468,11 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     assert torch.equal(native["head_bf16"], avx2["head_bf16"])
     # int4: vdpbf16ps (AVX-512 BF16) against fp32 FMAs in its order (AVX2): the same bits.
     assert torch.equal(native["q4"], avx2["q4"])
+    # group_matmul likewise, at 4-, 5-, 6- and 8-bit codes, a prompt's rows and a decode's.
+    assert sorted(native["groups"]) == [4, 5, 6, 8]
+    for bits, (rows, row) in native["groups"].items():
+        assert torch.equal(rows, avx2["groups"][bits][0]) and torch.equal(row, rows[:1])
+        assert torch.equal(row, avx2["groups"][bits][1])
 
 
 def test_the_layer_stack_in_one_call_equals_layer_by_layer(smollm, monkeypatch):

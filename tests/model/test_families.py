@@ -111,9 +111,10 @@ def test_gemma3_template_has_no_system_role(tokenizer):
 
 @pytest.mark.parametrize("family,kind", [("qwen3", "Q5_0"), ("phi3", "Q8_0"), ("gemma3", "Q5_1")])
 def test_quantized_linears_run_as_stored(family, kind, tmp_path, tokenizer):
-    """A file's 5- and 8-bit linears serve from their own blocks (int8 codes on
-    group_matmul, Phi-3's fused matrices whole): the same function as the exact
-    reference, which dequantizes the same blocks."""
+    """A file's 5- and 8-bit linears serve from their own blocks (on group_matmul, Phi-3's
+    fused matrices whole): the same function as the exact reference, which dequantizes the
+    same blocks, but for the kernel's bf16 activations (x rounded to bf16 on the way in, as
+    q4_matmul's are, where the model's own activations are fp32)."""
     from app.model.quant.kquants import GroupLinear
 
     hf = tiny_hf(family, len(tokenizer))
@@ -132,9 +133,10 @@ def test_quantized_linears_run_as_stored(family, kind, tmp_path, tokenizer):
     ids = list(range(1000, 1040))
     with torch.no_grad():
         want, got = ref.forward_tokens(ids), built.model.forward_tokens(ids)
-    diff = (got - want).abs().max().item()
-    tol = 0.1 if built.format.dtype == "bfloat16" else 1e-3
-    assert diff < tol, f"max |logit difference| {diff} ({built.format.dtype})"
+    # Activations in bf16 (2^-9 relative) through every layer of a random model: ~1%; a
+    # weight read wrong (a code, a scale, a layout) is off by its whole size.
+    diff = ((got - want).abs().max() / want.abs().max()).item()
+    assert diff < 0.03, f"max |logit difference| / max |logit| {diff} ({built.format.dtype})"
 
 
 @pytest.mark.parametrize("family,kind", [("gemma3", "Q5_1"), ("gemma3", "Q8_0"), ("qwen3", "Q4_0")])

@@ -1,6 +1,7 @@
 """GGUF's block formats as stored (app.model.quant.kquants): every type read into codes,
 scales and offsets whose dequantization is gguf's own, bit for bit; and its matmul on
-parley.group_matmul against a float reference, the same bits for a row in any batch."""
+parley.group_matmul against a float reference, the same bits for a row in any batch; the
+kernel's tiled layout holds the same weights in as few bits a code as they need."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,14 @@ from gguf.quants import dequantize, quantize
 
 from app.config import default_cache_dir
 from app.model import kernels
-from app.model.quant.kquants import BLOCKS, GroupEmbedding, GroupLinear, GroupWeight, from_gguf
+from app.model.quant.kquants import (
+    BLOCKS,
+    GroupEmbedding,
+    GroupLinear,
+    GroupWeight,
+    TiledGroupWeight,
+    from_gguf,
+)
 
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants.quantize makes these
 
@@ -57,6 +65,26 @@ def test_every_type_reads_as_gguf_dequantizes_it(kind):
     assert torch.equal(GroupEmbedding(w, torch.float32)(ids), want[ids])
 
 
+# The fewest bits a code each type's range needs in the kernel's layout.
+TILED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_the_tiled_layout_holds_the_files_weights_in_as_few_bits_as_they_need(kind):
+    raw = random_blocks(kind, 37, 512, seed=5)  # 37 rows: the last tile padded
+    w = from_gguf(raw, kind)
+    tiled = TiledGroupWeight.tile(w)
+    # Random Q8_0 codes span more than 64 values; random K-quant bytes use every code.
+    assert tiled.bits == TILED_BITS.get(kind, 8)
+    assert tiled.shape == w.shape and tiled.codes.shape[0] == 3
+    assert tiled.codes.shape[2] == (32 if tiled.bits == 4 else 64)
+    ids = torch.arange(37)
+    assert torch.equal(tiled.row_codes(ids), w.codes.to(torch.int16))
+    assert torch.equal(tiled.rows_of(ids), gguf_floats(raw, kind))
+    some = torch.tensor([36, 0, 17, 16, 15])
+    assert torch.equal(GroupEmbedding(tiled, torch.float32)(some), w.rows(some))
+
+
 def test_an_unknown_type_is_a_clear_error():
     with pytest.raises(ValueError, match="IQ2_XS is not one of"):
         from_gguf(np.zeros((1, 66), np.uint8), "IQ2_XS")
@@ -86,16 +114,18 @@ def test_group_matmul_computes_x_w_t(parley_kernels, kind, dtype):
     assert lin.kernel
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
     y = lin(x)
-    want = x.double() @ floats.double().t() + bias.double()
+    # The kernel's bf16 dot products take x rounded to bf16 (exact where x is bf16).
+    want = x.bfloat16().double() @ floats.double().t() + bias.double()
     assert y.dtype == dtype and y.shape == (5, 40)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(y.double(), want, rtol=tol, atol=tol * 10)
-    if dtype == torch.float32:  # the fallback computes the same function
+    if dtype == torch.float32:  # the fallback computes the same function of x as it is
         slow = GroupLinear(from_gguf(raw, kind), bias=bias, kernel=False)
-        assert torch.allclose(slow(x).double(), want, rtol=1e-5, atol=1e-4)
+        exact = x.double() @ floats.double().t() + bias.double()
+        assert torch.allclose(slow(x).double(), exact, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_0", "Q8_0"])
 def test_a_row_has_the_same_bits_in_any_batch_on_any_thread_count(parley_kernels, kind):
     raw = random_blocks(kind, 203, 512, seed=3)  # 203 rows: a ragged last tile
     lin = GroupLinear(from_gguf(raw, kind), fp32_out=True)

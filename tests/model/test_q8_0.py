@@ -1,7 +1,6 @@
 """Q8_0 as stored (app.model.quant.q8_0) and the LM head's kernel, parley.block_matmul: the
 GGUF's own weights bit for bit, and a logit whose bits depend on its row alone."""
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
@@ -82,21 +81,31 @@ def test_block_matmul_refuses_what_it_cannot_compute():
 
 
 def test_the_default_model_serves_its_embedding_and_head_from_q8_0(smollm):
+    """One copy of the file's Q8_0 bytes serves the embedding and the tied head: on
+    group_matmul, tiled, with bf16 activations; on block_matmul with fp32 ones (a CPU
+    without native bf16), which that kernel keeps exact."""
     from app.config import ModelConfig
     from app.model.build import build_model
+    from app.model.gguf_file import iter_q8_weights, open_gguf
+    from app.model.quant.kquants import GroupEmbedding, GroupLinear
 
     built = build_model(smollm, ModelConfig(), "cpu", 512)
     model = built.model
-    assert isinstance(model.embed_tokens, Q8Embedding)
-    assert isinstance(model.packed_lm_head, BlockLinear) and model.packed_lm_head.scale is not None
-    # One copy of the Q8_0 bytes (~30 MB) for both, where bf16 took ~57 MB twice.
-    head = model.packed_lm_head
-    assert model.embed_tokens.q8.codes.data_ptr() == head.weight.data_ptr()
-    assert built.weight_bytes < 110e6
-    # The head reads the GGUF's bytes: its rows are the file's Q8_0 token embedding.
-    from app.model.gguf_file import iter_q8_weights, open_gguf
-
     reader, arch = open_gguf(smollm.source)
     stored = dict(iter_q8_weights(reader, arch))["model.embed_tokens.weight"]
-    assert torch.equal(stored.codes, head.weight) and torch.equal(stored.scale, head.scale)
-    assert np.array_equal(stored.codes[:2].numpy(), model.embed_tokens.q8.codes[:2].numpy())
+    head = model.packed_lm_head
+    ids = torch.tensor([0, 17, 15, 49151, 300])
+    if built.format.dtype == "bfloat16":
+        assert isinstance(head, GroupLinear) and head.tiled.bits == 8
+        assert isinstance(model.embed_tokens, GroupEmbedding)
+        assert model.embed_tokens.gw is head.tiled  # one copy
+        # The head reads the GGUF's bytes: its rows are the file's Q8_0 token embedding.
+        assert torch.equal(head.tiled.row_codes(ids), stored.codes[ids].to(torch.int16))
+        assert torch.equal(head.tiled.rows_of(ids), stored.rows(ids))
+    else:
+        assert isinstance(model.embed_tokens, Q8Embedding)
+        assert isinstance(head, BlockLinear) and head.scale is not None
+        assert model.embed_tokens.q8.codes.data_ptr() == head.weight.data_ptr()
+        assert torch.equal(stored.codes, head.weight) and torch.equal(stored.scale, head.scale)
+    # ~30 MB for both, where bf16 took ~57 MB twice.
+    assert built.weight_bytes < 110e6

@@ -36,7 +36,8 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const at::Tensor& m, c10::optional<at::ScalarType> out_dtype);
 bool amx_enabled();
 at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& offsets, int64_t group);  // matmul.cpp
+                        const c10::optional<at::Tensor>& offsets, int64_t group, int64_t bits,
+                        int64_t base, c10::optional<at::ScalarType> out_dtype);
 }
 
 namespace {
@@ -1382,17 +1383,19 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 // GELU and local layers): the same ops in the same order as its Python layer
 // (app/model/families) with FusedCpuOps, so the same bits.
 //
-// linears: per layer qkv, o_proj, gate_up, down as 3 tensors each, `kinds` saying which
-// kernel: 0 for q4_matmul's (codes, d, m), 16 or 32 for group_matmul's (codes, scales,
-// offsets) with that group (offsets empty: none). norms: per layer input, post, q, k, and
-// with `sandwich` the attention's and the MLP's output norms. windows: per layer, 0 for
-// global attention (rotary tables cos/sin), else local (local_cos/local_sin).
+// linears: per layer qkv, o_proj, gate_up, down as 3 tensors each, and 3 ints each in
+// `kinds` saying which kernel: (0, 0, 0) for q4_matmul's (codes, d, m), else (group, bits,
+// base) for group_matmul's (codes, scales, offsets; offsets empty: none). norms: per layer
+// input, post, q, k, and with `sandwich` the attention's and the MLP's output norms.
+// windows: per layer, 0 for global attention (rotary tables cos/sin), else local
+// (local_cos/local_sin).
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind) {
-  if (kind == 0) return parley_kernels::q4_matmul(x, w[0], w[1], w[2], x.scalar_type());
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, const int64_t* kind) {
+  if (kind[0] == 0) return parley_kernels::q4_matmul(x, w[0], w[1], w[2], x.scalar_type());
   const c10::optional<at::Tensor> off =
       w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
-  return parley_kernels::group_matmul(x, w[0], w[1], off, kind).to(x.scalar_type());
+  return parley_kernels::group_matmul(x, w[0], w[1], off, kind[0], kind[1], kind[2],
+                                      x.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layers_normed(
@@ -1405,17 +1408,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_normed(
   const int64_t layers = k_caches.size(), per_norms = sandwich ? 6 : 4;
   TORCH_CHECK(v_caches.size() == static_cast<size_t>(layers) &&
                   linears.size() == static_cast<size_t>(12 * layers) &&
-                  kinds.size() == static_cast<size_t>(4 * layers) &&
+                  kinds.size() == static_cast<size_t>(12 * layers) &&
                   norms.size() == static_cast<size_t>(per_norms * layers) &&
                   windows.size() == static_cast<size_t>(layers),
-              "decode_layers_normed: per layer 2 caches, 4 linears of 3 tensors, ", per_norms,
+              "decode_layers_normed: per layer 2 caches, 4 linears of 3 tensors and 3 kinds, ",
+              per_norms,
               " norms and a window");
   const int64_t T = h0.size(0), D = cos.size(1);
   const int64_t q_size = heads * D, kv_size = kv_heads * D;
   at::Tensor h = h0, residual;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = linears.data() + 12 * l;
-    const int64_t* kind = kinds.data() + 4 * l;
+    const int64_t* kind = kinds.data() + 12 * l;
     const at::Tensor* nw = norms.data() + per_norms * l;
     at::Tensor x;
     if (l == 0) {
@@ -1424,7 +1428,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_normed(
     } else {
       std::tie(x, residual) = add_rms_norm(h, residual, nw[0], eps);
     }
-    auto qkv = linear(x, w, kind[0]);
+    auto qkv = linear(x, w, kind);
     auto q = rms_norm(qkv.narrow(1, 0, q_size).reshape({-1, D}).contiguous(), nw[2], eps);
     auto k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({-1, D}).contiguous(), nw[3], eps);
     qkv = at::cat({q.view({T, -1}), k.view({T, -1}), qkv.narrow(1, q_size + kv_size, kv_size)},
@@ -1434,13 +1438,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_normed(
                          k_caches[l], v_caches[l], heads, kv_heads);
     auto o = paged_decode(qk.narrow(1, 0, heads), k_caches[l], v_caches[l], tables, lens, scale,
                           windows[l]);
-    auto attn = linear(o.reshape({T, q_size}), w + 3, kind[1]);
+    auto attn = linear(o.reshape({T, q_size}), w + 3, kind + 3);
     if (sandwich) attn = rms_norm(attn, nw[4], eps);
     std::tie(x, residual) = add_rms_norm(attn, residual, nw[1], eps);
-    auto halves = linear(x, w + 6, kind[2]).chunk(2, -1);
+    auto halves = linear(x, w + 6, kind + 6).chunk(2, -1);
     auto act = gelu ? at::gelu(halves[0], "tanh").mul_(halves[1])
                     : at::silu(halves[0]).mul_(halves[1]);
-    h = linear(act, w + 9, kind[3]);
+    h = linear(act, w + 9, kind + 9);
     if (sandwich) h = rms_norm(h, nw[5], eps);
   }
   return {h, residual};

@@ -1,6 +1,8 @@
 // Parley's matmul over row-major weights with per-32 block scales: y (M, N) fp32 =
 // x (M, K) W^T, W stored as GGUF's Q8_0 (int8 codes and one scale per 32 weights) or as
-// plain bf16 / fp32 rows (scale 1). It serves the LM head (app/model/quant/q8_0.py).
+// plain bf16 / fp32 rows (scale 1). It serves a float LM head, and a Q8_0 one where the
+// activations are fp32 (app/model/quant/q8_0.py; with bf16 activations a quantized head runs
+// on qmatmul.cpp's group_matmul).
 //
 // Why our own: a token's logits must be the same bits whether it is decoded alone, scored
 // in a prompt of hundreds of rows, or computed on 1 or 2 threads (resumable streams, the
@@ -276,130 +278,12 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-// ---------------------------------------------------------------------------------------
-// group_matmul: int8 codes with an fp32 scale and, optionally, an fp32 offset per group of
-// G = 16 or 32 along K, w = scale * q + offset (GGUF's Q5_0 / Q5_1 / Q8_0 and K-quants as
-// stored: app/model/quant/kquants.py). Per output element, in this order, whatever M, the
-// tile or the thread:
-//
-//   for each group g:  t = w[0:16] * x[0:16];  (G = 32: t = fma(w[16:32], x[16:32], t))
-//                      acc = fma(scale_g, t, acc)
-//                      with offsets: s = x[0:16] (G = 32: + x[16:32]);  acc = fma(off_g, s, acc)
-//   y = the 16 lanes of acc added by the same tree as block_matmul
-//
-// lane for lane in every build, so the bits are the same on any CPU.
-
-template <int G, bool kOff, int NR, int MR>
-inline void group_tile(const int8_t* w, const float* scales, const float* offsets, const float* x,
-                       float* y, int64_t K, int64_t ldy) {
-  constexpr int V = G / kLanes;
-  Vec acc[NR][MR];
-  for (int n = 0; n < NR; ++n)
-    for (int m = 0; m < MR; ++m) acc[n][m] = vzero();
-  const int64_t groups = K / G;
-  for (int64_t g = 0; g < groups; ++g) {
-    const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * K) + g * NR * G;
-    for (int64_t c = 0; c < NR * G; c += 64) __builtin_prefetch(ahead + c);
-    Vec wv[NR][V];
-    Vec d[NR], o[NR];
-    for (int n = 0; n < NR; ++n) {
-      for (int v = 0; v < V; ++v) wv[n][v] = wload(w + n * K + g * G + v * kLanes);
-      d[n] = vset(scales[n * groups + g]);
-      o[n] = kOff ? vset(offsets[n * groups + g]) : vzero();
-    }
-    for (int m = 0; m < MR; ++m) {
-      const float* xg = x + m * K + g * G;
-      Vec xv[V];
-      for (int v = 0; v < V; ++v) xv[v] = vload(xg + v * kLanes);
-      Vec xs = xv[0];
-      if (kOff)
-        for (int v = 1; v < V; ++v) xs = vadd(xs, xv[v]);
-      for (int n = 0; n < NR; ++n) {
-        Vec t = vmul(wv[n][0], xv[0]);
-        for (int v = 1; v < V; ++v) t = vfma(wv[n][v], xv[v], t);
-        acc[n][m] = vfma(d[n], t, acc[n][m]);
-        if (kOff) acc[n][m] = vfma(o[n], xs, acc[n][m]);
-      }
-    }
-  }
-  for (int n = 0; n < NR; ++n)
-    for (int m = 0; m < MR; ++m) y[m * ldy + n] = vsum(acc[n][m]);
-}
-
-template <int G, bool kOff, int NR>
-void group_rows(const int8_t* w, const float* sc, const float* of, const float* x, float* y,
-                int64_t M, int64_t K, int64_t N) {
-  int64_t m = 0;
-  for (; m + kMR <= M; m += kMR) group_tile<G, kOff, NR, kMR>(w, sc, of, x + m * K, y + m * N, K, N);
-  for (; m < M; ++m) group_tile<G, kOff, NR, 1>(w, sc, of, x + m * K, y + m * N, K, N);
-}
-
-template <int G, bool kOff>
-void group_matmul_impl(const int8_t* w, const float* sc, const float* of, const float* x, float* y,
-                       int64_t M, int64_t K, int64_t N) {
-  const int64_t groups = K / G;
-  for_weight_tiles(M, K / kBlock, N, [&](auto nr, int64_t n0) {
-    const float* ot = kOff ? of + n0 * groups : nullptr;
-    group_rows<G, kOff, decltype(nr)::value>(w + n0 * K, sc + n0 * groups, ot, x, y + n0, M, K, N);
-  });
-}
-
-// x (M, K) fp32 or bf16; codes (N, K) int8; scales and offsets (N, K / group) fp32, offsets
-// optional; group 16 or 32. Returns y (M, N) fp32.
-at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& offsets, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1),
-              "group_matmul: x (M, K) and codes (N, K)");
-  TORCH_CHECK(group == 16 || group == 32, "group_matmul: group must be 16 or 32");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % group == 0, "group_matmul: K must be a multiple of the group");
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(),
-              "group_matmul: codes must be contiguous int8");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "group_matmul: x must be fp32 or bf16");
-  const at::Tensor sc = scales.contiguous();
-  TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.dim() == 2 && sc.size(0) == N &&
-                  sc.size(1) == K / group,
-              "group_matmul: scales must be fp32 (N, K / group)");
-  at::Tensor of;
-  if (offsets.has_value()) {
-    of = offsets->contiguous();
-    TORCH_CHECK(of.scalar_type() == at::kFloat && of.sizes() == sc.sizes(),
-                "group_matmul: offsets must be fp32 like the scales");
-  }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // bf16 -> fp32 is exact
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return y;
-  const int8_t* wp = codes.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
-  const float* op = of.defined() ? of.data_ptr<float>() : nullptr;
-  const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (group == 16) {
-    if (op) group_matmul_impl<16, true>(wp, sp, op, xp, yp, M, K, N);
-    else group_matmul_impl<16, false>(wp, sp, op, xp, yp, M, K, N);
-  } else {
-    if (op) group_matmul_impl<32, true>(wp, sp, op, xp, yp, M, K, N);
-    else group_matmul_impl<32, false>(wp, sp, op, xp, yp, M, K, N);
-  }
-  return y;
-}
-
 }  // namespace
-
-namespace parley_kernels {  // for cpu_kernels.cpp's decode stacks
-at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& offsets, int64_t group) {
-  return ::group_matmul(x, codes, scales, offsets, group);
-}
-}  // namespace parley_kernels
 
 TORCH_LIBRARY_FRAGMENT(parley, m) {
   m.def("block_matmul(Tensor x, Tensor weight, Tensor? scales) -> Tensor");
-  m.def("group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(parley, CPU, m) {
   m.impl("block_matmul", &block_matmul);
-  m.impl("group_matmul", &group_matmul);
 }

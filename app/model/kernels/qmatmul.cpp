@@ -38,6 +38,17 @@
 // 30 layers (bench: a script kept out of the repository, quiet machine, 2 threads): 779 ->
 // 561-578 ms, against oneDNN's bf16 GEMM on bf16 weights 380-400 ms.
 
+// group_matmul (GGUF's other group formats as stored: K-quants, Q5_0/Q5_1, Q8_0, a Q8_0 LM
+// head) is the same kernel over other codes: w = scale * q + offset per group of 16 or 32,
+// fp32 scales, q of 4, 5, 6 or 8 bits (app/model/quant/kquants.py's TiledGroupWeight lays
+// them out). 4-bit codes are packed as above; wider ones take a byte each, a chunk's 64
+// bytes being (4c, 4c + 1)'s 32 then (4c + 2, 4c + 3)'s, so that one permute of a 32- or
+// 64-word table (or, for 8 bits, a conversion) gives the same operands. Per element it is
+// the order above, group by group. It replaced an fp32 kernel with a lane per k (the
+// codes converted and multiplied in fp32, four rows a tile): 2.4-3.7x its throughput at a
+// prompt's rows, 2-4x at one row for Gemma 3's layers, on AVX-512 BF16. It never runs on
+// AMX's tiles (a group of 16 is half a tile's K).
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -68,21 +79,23 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;  // weights per (d, m)
+constexpr int64_t kGroup = 32;  // q4_matmul's weights per (d, m); group_matmul's: 16 or 32
 constexpr int64_t kTile = 16;   // output rows a tile
-constexpr int64_t kChunk = 32;  // bytes of codes per 4 k of a tile
+// Bytes of codes per chunk (4 k of a tile's 16 rows): two 4-bit codes a byte, else one.
+constexpr int64_t chunk_bytes(int bits) { return bits == 4 ? 32 : 64; }
+constexpr int64_t kChunk = chunk_bytes(4);
 constexpr int64_t kChunksPerGroup = kGroup / 4;
 
-// Group b's codes (256 bytes a tile) of the `count` tiles that start `ahead` tiles after
-// `codes`: a decode reads a linear's codes once, a few tiles at a time, each tile a short
-// stream (4.5 KiB for K = 576) that the hardware prefetcher learns too late, so a call asks
-// for the next call's tiles as it goes (at one row: 18 -> ~24 GB/s from memory, 2 threads).
+// Group b's codes (`group_bytes` a tile: 256 for q4_matmul) of the `count` tiles that start
+// `ahead` tiles after `codes`: a decode reads a linear's codes once, a few tiles at a time,
+// each tile a short stream (4.5 KiB for K = 576) that the hardware prefetcher learns too
+// late, so a call asks for the next call's tiles as it goes (at one row: 18 -> ~24 GB/s
+// from memory, 2 threads).
 inline void prefetch_group(const uint8_t* codes, int64_t tile_bytes, int ahead, int count,
-                           int64_t b) {
-  const uint8_t* p = codes + ahead * tile_bytes + b * kChunksPerGroup * kChunk;
+                           int64_t b, int64_t group_bytes = kChunksPerGroup * kChunk) {
+  const uint8_t* p = codes + ahead * tile_bytes + b * group_bytes;
   for (int n = 0; n < count; ++n)
-    for (int64_t c = 0; c < kChunksPerGroup * kChunk; c += 64)
-      __builtin_prefetch(p + n * tile_bytes + c);
+    for (int64_t c = 0; c < group_bytes; c += 64) __builtin_prefetch(p + n * tile_bytes + c);
 }
 
 inline float bf16_to_float(uint16_t h) {
@@ -92,22 +105,23 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// The group sums of x, its M x K words taken as G = M x K / 32 groups of 32 in a row:
-// out[g] = x[32g] + x[32g + 1] + ... in order, in fp32. On AVX-512, 16 groups' sums advance
-// together, each lane gathering its group's next two words: one sum at a time waited on
-// its 32 dependent adds, and a prompt's sums took a third of the matmul's time at 2
-// threads (0.7 ms of 2.1 for 1,536 rows of a 576 x 576 linear), before its threads started.
-inline void group_sums(const uint16_t* x, int64_t G, float* out) {
+// The group sums of x, its M x K words taken as G = M x K / group groups of `group` (16 or
+// 32) in a row: out[g] = x[group g] + x[group g + 1] + ... in order, in fp32. On AVX-512, 16
+// groups' sums advance together, each lane gathering its group's next two words: one sum
+// at a time waited on its 32 dependent adds, and a prompt's sums took a third of the
+// matmul's time at 2 threads (0.7 ms of 2.1 for 1,536 rows of a 576 x 576 linear), before
+// its threads started.
+inline void group_sums(const uint16_t* x, int64_t G, float* out, int64_t group = kGroup) {
   int64_t g = 0;
 #if defined(__AVX512F__)
   const __m512i lanes = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(kGroup / 2));  // a lane's first pair of words, in 32-bit units
+      _mm512_set1_epi32(static_cast<int>(group / 2)));  // a lane's first pair, in 32-bit units
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (; g + 16 <= G; g += 16) {
-    const int32_t* pairs = reinterpret_cast<const int32_t*>(x + g * kGroup);
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(x + g * group);
     __m512 s = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kGroup / 2; ++j) {
+    for (int64_t j = 0; j < group / 2; ++j) {
       const __m512i v = _mm512_i32gather_epi32(lanes, pairs + j, 4);
       s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));  // word 2j
       s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_and_si512(v, high)));  // word 2j + 1
@@ -117,10 +131,32 @@ inline void group_sums(const uint16_t* x, int64_t G, float* out) {
 #endif
   for (; g < G; ++g) {
     float s = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) s += bf16_to_float(x[g * kGroup + j]);
+    for (int64_t j = 0; j < group; ++j) s += bf16_to_float(x[g * group + j]);
     out[g] = s;
   }
 }
+
+// A weight's codes as stored in a tile's chunks, by bits a code (B):
+//   4: two a byte (byte 2n + j of a chunk c: q(n, 4c + j) in its low nibble, q(n, 4c + 2 + j)
+//      in its high one), each standing for the integer code + base;
+//   5, 6: one a byte, 0..31 or 0..63, standing for code + base (bytes 2n + j of the chunk's
+//      first 32: q(n, 4c + j); of its second 32: q(n, 4c + 2 + j));
+//   8: one a byte in the same order, an int8 that is the integer itself.
+// However a code is stored, it becomes the same bf16 value (an integer of at most 8 bits is
+// exact in bf16), so the format changes the bytes read, never the bits of a result.
+inline float code_value(const uint8_t* chunk, int bits, int base, int n, int h, int j) {
+  if (bits == 4) {
+    const uint8_t byte = chunk[2 * n + j];
+    return static_cast<float>((h ? byte >> 4 : byte & 0x0F) + base);
+  }
+  const uint8_t byte = chunk[32 * h + 2 * n + j];
+  return bits == 8 ? static_cast<float>(static_cast<int8_t>(byte))
+                   : static_cast<float>(byte + base);
+}
+
+// 16 scales (or offsets) as floats: q4_matmul's are the file's fp16, group_matmul's fp32.
+inline float scale_value(const c10::Half* p, int i) { return static_cast<float>(p[i]); }
+inline float scale_value(const float* p, int i) { return p[i]; }
 
 // ---------------------------------------------------------------------------------------
 // The microkernels: rows [0, MR) of x (bf16, lda apart; their group sums xs, KB apart)
@@ -134,10 +170,13 @@ constexpr int kMR = 8;      // rows a kernel call at most
 constexpr int kChains = 8;  // MR x NT: independent accumulators a call keeps, few rows
 constexpr bool kUnpacks = true;  // many rows take the weights as bf16 words (Unpacked)
 
-inline __m512i code_table() {  // word i: bf16 of (i % 16)
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) t[i] = c10::BFloat16(static_cast<float>(i % 16)).x;
-  return _mm512_load_si512(t);
+// Words i and 32 + i: bf16 of (i + base), i < 32: the look-up tables of codes that stand
+// for code + base (a 4- or 5-bit code reads the first, a 6-bit one both).
+inline void code_tables(int base, __m512i& lo, __m512i& hi) {
+  alignas(64) uint16_t t[64];
+  for (int i = 0; i < 64; ++i) t[i] = c10::BFloat16(static_cast<float>(i + base)).x;
+  lo = _mm512_load_si512(t);
+  hi = _mm512_load_si512(t + 32);
 }
 
 inline __m512bh pair_of(const uint16_t* p) {  // x[k], x[k + 1] in every lane
@@ -145,6 +184,12 @@ inline __m512bh pair_of(const uint16_t* p) {  // x[k], x[k + 1] in every lane
   std::memcpy(&v, p, 4);
   return (__m512bh)_mm512_set1_epi32(v);
 }
+
+// 16 scales as floats (loaded as they are laid out, 16 rows' apart from nothing).
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 // 16 sums to y as float, or rounded to bf16 (to nearest even, as c10::BFloat16 rounds).
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
@@ -154,18 +199,52 @@ inline void store16(c10::BFloat16* y, __m512 v) {
   for (int i = 0; i < kTile; ++i) y[i] = c10::BFloat16(f[i]);
 }
 
+// 32 int8 codes as bf16 words: exact (|q| <= 128), two conversions of 16 then one pack.
+inline __m512bh int8_words(const uint8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 // Where a kernel call gets a chunk's weights as vdpbf16ps operands (w0: the pairs
 // (4c, 4c + 1) of the tile's 16 rows, w1: (4c + 2, 4c + 3)). Either source gives the same
 // words, so the same bits.
-struct Codes {  // from the packed codes: one table look-up (a permute) for 32 weights
+template <int B>
+struct Codes {  // from the stored codes (code_value's layouts): a table look-up (a permute)
+  static constexpr int kBits = B;
+  static constexpr int64_t kChunkBytes = chunk_bytes(B);
   const uint8_t* codes;
   int64_t tile_bytes;
-  __m512i table = code_table(), low4 = _mm512_set1_epi16(0x0F);
+  int base = 0;
+  __m512i lo, hi, low4 = _mm512_set1_epi16(0x0F);
+  Codes(const uint8_t* c, int64_t tb, int b = 0) : codes(c), tile_bytes(tb), base(b) {
+    code_tables(b, lo, hi);
+  }
+  Codes at(int64_t tile) const {  // the same codes from `tile` on (tables copied, not made)
+    Codes c = *this;
+    c.codes += tile * tile_bytes;
+    return c;
+  }
+  inline __m512bh word(__m512i raw) const {  // codes widened to 16 bits -> bf16 words
+    if constexpr (B == 6) return (__m512bh)_mm512_permutex2var_epi16(lo, raw, hi);
+    else return (__m512bh)_mm512_permutexvar_epi16(raw, lo);
+  }
   inline void get(int n, int64_t chunk, __m512bh& w0, __m512bh& w1) const {
-    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(codes + n * tile_bytes + chunk * kChunk)));
-    w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(raw, low4), table);
-    w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), table);
+    const uint8_t* p = codes + n * tile_bytes + chunk * kChunkBytes;
+    if constexpr (B == 4) {
+      const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      w0 = word(_mm512_and_si512(raw, low4));
+      w1 = word(_mm512_srli_epi16(raw, 4));
+    } else if constexpr (B == 8) {
+      w0 = int8_words(p);
+      w1 = int8_words(p + 32);
+    } else {
+      w0 = word(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+      w1 = word(
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))));
+    }
   }
 };
 
@@ -179,17 +258,19 @@ struct Unpacked {  // from words unpacked once for many rows (unpack_tiles): two
   }
 };
 
+template <typename W>
+constexpr bool kIsCodes = !std::is_same_v<W, Unpacked>;
+
 // Tiles a call for kMR rows: with unpacked words 3 (24 independent sums: vdpbf16ps takes
 // several cycles and two can start a cycle on Zen 5, and the 8 of one tile left the units
 // waiting on their latency); with the codes 1 (the unpacking takes the other registers).
 template <typename W>
-constexpr int kWideNT = std::is_same_v<W, Unpacked> ? 3 : 1;
+constexpr int kWideNT = kIsCodes<W> ? 1 : 3;
 
 // Tiles' codes as Unpacked words: per chunk, w0's 32 words then w1's.
-inline void unpack_tiles(const uint8_t* codes, int64_t tile_bytes, int64_t tiles,
-                         uint16_t* out) {
-  const Codes src{codes, tile_bytes};
-  const int64_t chunks = tile_bytes / kChunk;
+template <int B>
+inline void unpack_tiles(const Codes<B>& src, int64_t tiles, uint16_t* out) {
+  const int64_t chunks = src.tile_bytes / Codes<B>::kChunkBytes;
   for (int64_t n = 0; n < tiles; ++n)
     for (int64_t c = 0; c < chunks; ++c) {
       __m512bh w0, w1;
@@ -200,22 +281,26 @@ inline void unpack_tiles(const uint8_t* codes, int64_t tile_bytes, int64_t tiles
     }
 }
 
-template <int MR, int NT, typename W, typename Out>
-inline void tile_kernel(const W& w, const c10::Half* d, const c10::Half* m, int64_t tile_scales,
+// Per group b of G weights: t = the pairs' chain (4 k a chunk); acc = fma(d_b, t, acc);
+// with offsets, acc = fma(m_b, xsum_b, acc). S: the scales' type.
+template <int MR, int NT, typename W, typename S, typename Out>
+inline void tile_kernel(const W& w, const S* d, const S* m, int64_t tile_scales, int64_t G,
                         const uint16_t* x, int64_t lda, const float* xs, int64_t KB, Out* y,
                         int64_t ldy) {
+  const int64_t chunks = G / 4;
   __m512 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NT; ++n) acc[r][n] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
-    if constexpr (std::is_same_v<W, Codes>) prefetch_group(w.codes, w.tile_bytes, NT, NT, b);
+    if constexpr (kIsCodes<W>)
+      prefetch_group(w.codes, w.tile_bytes, NT, NT, b, chunks * W::kChunkBytes);
     __m512 t[MR][NT];
     for (int r = 0; r < MR; ++r)
       for (int n = 0; n < NT; ++n) t[r][n] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < kChunksPerGroup; ++c) {
-      const int64_t k = b * kGroup + c * 4;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = b * G + c * 4;
       __m512bh w0[NT], w1[NT];
-      for (int n = 0; n < NT; ++n) w.get(n, b * kChunksPerGroup + c, w0[n], w1[n]);
+      for (int n = 0; n < NT; ++n) w.get(n, b * chunks + c, w0[n], w1[n]);
       for (int r = 0; r < MR; ++r) {  // each x pair read once for the NT tiles
         const __m512bh p0 = pair_of(x + r * lda + k), p1 = pair_of(x + r * lda + k + 2);
         for (int n = 0; n < NT; ++n) {
@@ -225,13 +310,12 @@ inline void tile_kernel(const W& w, const c10::Half* d, const c10::Half* m, int6
       }
     }
     for (int n = 0; n < NT; ++n) {
-      const __m512 db = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + n * tile_scales + b * kTile)));
-      const __m512 mb = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + n * tile_scales + b * kTile)));
-      for (int r = 0; r < MR; ++r) {
-        acc[r][n] = _mm512_fmadd_ps(db, t[r][n], acc[r][n]);
-        acc[r][n] = _mm512_fmadd_ps(mb, _mm512_set1_ps(xs[r * KB + b]), acc[r][n]);
+      const __m512 db = load16(d + n * tile_scales + b * kTile);
+      for (int r = 0; r < MR; ++r) acc[r][n] = _mm512_fmadd_ps(db, t[r][n], acc[r][n]);
+      if (m != nullptr) {
+        const __m512 mb = load16(m + n * tile_scales + b * kTile);
+        for (int r = 0; r < MR; ++r)
+          acc[r][n] = _mm512_fmadd_ps(mb, _mm512_set1_ps(xs[r * KB + b]), acc[r][n]);
       }
     }
   }
@@ -249,27 +333,26 @@ constexpr int kMR = 4;
 constexpr int kChains = 4;
 constexpr bool kUnpacks = false;  // these builds always read the codes (not measured otherwise)
 
+template <int B>
 struct Codes {
+  static constexpr int kBits = B;
+  static constexpr int64_t kChunkBytes = chunk_bytes(B);
   const uint8_t* codes;
   int64_t tile_bytes;
+  int base = 0;
+  Codes(const uint8_t* c, int64_t tb, int b = 0) : codes(c), tile_bytes(tb), base(b) {}
+  Codes at(int64_t tile) const { return Codes(codes + tile * tile_bytes, tile_bytes, base); }
 };
 struct Unpacked {  // never made here (kUnpacks): run() names it in a discarded branch
   const uint16_t* words;
   int64_t tile_words;
 };
 template <typename W>
+constexpr bool kIsCodes = !std::is_same_v<W, Unpacked>;
+template <typename W>
 constexpr int kWideNT = 1;
-inline void unpack_tiles(const uint8_t*, int64_t, int64_t, uint16_t*) {}
-
-// The codes of a chunk as floats: q[h][j][n] = q(n, 4c + 2h + j).
-inline void unpack_chunk(const uint8_t* chunk, float q[2][2][kTile]) {
-  for (int n = 0; n < kTile; ++n)
-    for (int j = 0; j < 2; ++j) {
-      const uint8_t byte = chunk[2 * n + j];
-      q[0][j][n] = static_cast<float>(byte & 0x0F);
-      q[1][j][n] = static_cast<float>(byte >> 4);
-    }
-}
+template <int B>
+inline void unpack_tiles(const Codes<B>&, int64_t, uint16_t*) {}
 
 #if defined(__AVX2__)
 struct V16 {
@@ -293,6 +376,33 @@ inline void v16_store(c10::BFloat16* p, V16 v) {
   v16_store(f, v);
   for (int i = 0; i < kTile; ++i) p[i] = c10::BFloat16(f[i]);
 }
+
+// A chunk's codes (at p, code_value's layouts) as floats: q[h][j] holds the tile's 16 rows
+// at k = 4c + 2h + j. Each 128-bit half of a 32-byte run holds 8 rows' (j = 0, 1) pairs:
+// one byte shuffle puts each half's j = 0 bytes before its j = 1 bytes.
+template <int B>
+inline void chunk_vecs(const uint8_t* p, int base, V16 q[2][2]) {
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i offset = _mm256_set1_epi32(base), low4 = _mm256_set1_epi8(0x0F);
+  const auto eight = [&](__m128i v) {  // the low 8 bytes as 8 floats
+    const __m256i i = B == 8 ? _mm256_cvtepi8_epi32(v)
+                             : _mm256_add_epi32(_mm256_cvtepu8_epi32(v), offset);
+    return _mm256_cvtepi32_ps(i);
+  };
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  for (int h = 0; h < 2; ++h) {
+    __m256i raw;
+    if constexpr (B == 4)
+      raw = _mm256_and_si256(h ? _mm256_srli_epi16(packed, 4) : packed, low4);
+    else
+      raw = h ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)) : packed;
+    const __m256i s = _mm256_shuffle_epi8(raw, split);
+    const __m128i rows0 = _mm256_castsi256_si128(s), rows8 = _mm256_extracti128_si256(s, 1);
+    q[h][0] = {eight(rows0), eight(rows8)};
+    q[h][1] = {eight(_mm_srli_si128(rows0, 8)), eight(_mm_srli_si128(rows8, 8))};
+  }
+}
 #else
 struct V16 {
   float v[kTile];
@@ -315,30 +425,37 @@ inline void v16_store(float* p, V16 v) { std::memcpy(p, v.v, sizeof v.v); }
 inline void v16_store(c10::BFloat16* p, V16 v) {
   for (int i = 0; i < kTile; ++i) p[i] = c10::BFloat16(v.v[i]);
 }
+
+template <int B>
+inline void chunk_vecs(const uint8_t* p, int base, V16 q[2][2]) {
+  for (int n = 0; n < kTile; ++n)
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 2; ++j) q[h][j].v[n] = code_value(p, B, base, n, h, j);
+}
 #endif
 
-template <int MR, int NT, typename W, typename Out>
-inline void tile_kernel(const W& w, const c10::Half* d, const c10::Half* m, int64_t tile_scales,
+template <int MR, int NT, typename W, typename S, typename Out>
+inline void tile_kernel(const W& w, const S* d, const S* m, int64_t tile_scales, int64_t G,
                         const uint16_t* x, int64_t lda, const float* xs, int64_t KB, Out* y,
                         int64_t ldy) {
-  static_assert(std::is_same_v<W, Codes>, "the portable kernel reads the codes");
-  const uint8_t* codes = w.codes;
-  const int64_t tile_bytes = w.tile_bytes;
+  static_assert(kIsCodes<W>, "the portable kernel reads the codes");
+  const int64_t chunks = G / 4;
   V16 acc[MR][NT];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NT; ++n) acc[r][n] = v16_zero();
-  alignas(64) float q[2][2][kTile];
+  V16 q[2][2];
   alignas(64) float db[kTile], mb[kTile];
   for (int64_t b = 0; b < KB; ++b) {
     V16 t[MR][NT];
     for (int r = 0; r < MR; ++r)
       for (int n = 0; n < NT; ++n) t[r][n] = v16_zero();
-    for (int64_t c = 0; c < kChunksPerGroup; ++c) {
-      const int64_t k = b * kGroup + c * 4;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = b * G + c * 4;
       for (int n = 0; n < NT; ++n) {
-        unpack_chunk(codes + n * tile_bytes + (b * kChunksPerGroup + c) * kChunk, q);
+        chunk_vecs<W::kBits>(w.codes + n * w.tile_bytes + (b * chunks + c) * W::kChunkBytes,
+                             w.base, q);
         for (int h = 0; h < 2; ++h) {
-          const V16 w0 = v16_load(q[h][0]), w1 = v16_load(q[h][1]);
+          const V16 w0 = q[h][0], w1 = q[h][1];
           for (int r = 0; r < MR; ++r) {  // the pair's odd element first, as vdpbf16ps adds
             const uint16_t* xr = x + r * lda + k + 2 * h;
             t[r][n] = v16_fma(w1, bf16_to_float(xr[1]), t[r][n]);
@@ -348,14 +465,13 @@ inline void tile_kernel(const W& w, const c10::Half* d, const c10::Half* m, int6
       }
     }
     for (int n = 0; n < NT; ++n) {
-      for (int i = 0; i < kTile; ++i) {
-        db[i] = static_cast<float>(d[n * tile_scales + b * kTile + i]);
-        mb[i] = static_cast<float>(m[n * tile_scales + b * kTile + i]);
-      }
-      const V16 dv = v16_load(db), mv = v16_load(mb);
-      for (int r = 0; r < MR; ++r) {
-        acc[r][n] = v16_fmav(dv, t[r][n], acc[r][n]);
-        acc[r][n] = v16_fma(mv, xs[r * KB + b], acc[r][n]);
+      for (int i = 0; i < kTile; ++i) db[i] = scale_value(d + n * tile_scales + b * kTile, i);
+      const V16 dv = v16_load(db);
+      for (int r = 0; r < MR; ++r) acc[r][n] = v16_fmav(dv, t[r][n], acc[r][n]);
+      if (m != nullptr) {
+        for (int i = 0; i < kTile; ++i) mb[i] = scale_value(m + n * tile_scales + b * kTile, i);
+        const V16 mv = v16_load(mb);
+        for (int r = 0; r < MR; ++r) acc[r][n] = v16_fma(mv, xs[r * KB + b], acc[r][n]);
       }
     }
   }
@@ -364,35 +480,38 @@ inline void tile_kernel(const W& w, const c10::Half* d, const c10::Half* m, int6
 }
 #endif
 
-// The operands of one call, and the tiles and rows it covers.
-template <typename Out>
+// The operands of one call, and the tiles and rows it covers: codes (tile_bytes a tile),
+// scales and offsets (m: none where null) of type S, tile_scales a tile, KB groups of G a
+// row; x (bf16) and its group sums xs (with offsets), y (M, N).
+template <typename S, typename Out>
 struct Operands {
   const uint8_t* codes;
-  const c10::Half *d, *m;
+  const S *d, *m;
   const uint16_t* x;
   const float* xs;
   Out* y;
-  int64_t K, KB, N, tile_bytes, tile_scales;
+  int64_t K, KB, N, tile_bytes, tile_scales, G = kGroup;
 };
 
-inline Codes tiles_from(const Codes& w, int64_t tile) {
-  return {w.codes + tile * w.tile_bytes, w.tile_bytes};
+template <int B>
+inline Codes<B> tiles_from(const Codes<B>& w, int64_t tile) {
+  return w.at(tile);
 }
 inline Unpacked tiles_from(const Unpacked& w, int64_t tile) {
   return {w.words + tile * w.tile_words, w.tile_words};
 }
 
 // Rows [r, r + MR) against tiles [t, t + NT); w's first tile is tile `base`.
-template <int MR, int NT, typename W, typename Out>
-inline void call(const Operands<Out>& o, const W& w, int64_t base, int64_t r, int64_t t) {
-  tile_kernel<MR, NT>(tiles_from(w, t - base), o.d + t * o.tile_scales, o.m + t * o.tile_scales,
-                      o.tile_scales, o.x + r * o.K, o.K, o.xs + r * o.KB, o.KB,
-                      o.y + r * o.N + t * kTile, o.N);
+template <int MR, int NT, typename W, typename S, typename Out>
+inline void call(const Operands<S, Out>& o, const W& w, int64_t base, int64_t r, int64_t t) {
+  tile_kernel<MR, NT>(tiles_from(w, t - base), o.d + t * o.tile_scales,
+                      o.m ? o.m + t * o.tile_scales : nullptr, o.tile_scales, o.G,
+                      o.x + r * o.K, o.K, o.xs + r * o.KB, o.KB, o.y + r * o.N + t * kTile, o.N);
 }
 
 // Rows [r, r + MR) against tiles [begin, end): NT tiles at a time, fewer at the end.
-template <int MR, typename W, typename Out>
-void row_chunk(const Operands<Out>& o, const W& w, int64_t base, int64_t r, int64_t begin,
+template <int MR, typename W, typename S, typename Out>
+void row_chunk(const Operands<S, Out>& o, const W& w, int64_t base, int64_t r, int64_t begin,
                int64_t end) {
   constexpr int NT = MR == kMR ? kWideNT<W> : std::max(1, kChains / MR);
   int64_t t = begin;
@@ -401,8 +520,8 @@ void row_chunk(const Operands<Out>& o, const W& w, int64_t base, int64_t r, int6
 }
 
 // Rows [r0, r1) against tiles [begin, end), in chunks of kMR rows, then 4, 2, 1.
-template <typename W, typename Out>
-void rows_against(const Operands<Out>& o, const W& w, int64_t base, int64_t r0, int64_t r1,
+template <typename W, typename S, typename Out>
+void rows_against(const Operands<S, Out>& o, const W& w, int64_t base, int64_t r0, int64_t r1,
                   int64_t begin, int64_t end) {
   int64_t r = r0;
   for (; r + kMR <= r1; r += kMR) row_chunk<kMR>(o, w, base, r, begin, end);
@@ -416,16 +535,18 @@ void rows_against(const Operands<Out>& o, const W& w, int64_t base, int64_t r0, 
 // every row over them (~256 KiB of words: the slab stays in L2); fewer rows read the codes.
 constexpr int64_t kUnpackRows = 32, kUnpackBytes = 256 << 10;
 
-template <typename Out>
-void run(const Operands<Out>& o, int64_t M, int64_t tiles) {
+// y = x W^T over codes of B bits a code (code_value's layouts), `base` their integer offset.
+template <int B, typename S, typename Out>
+void run(const Operands<S, Out>& o, int64_t M, int64_t tiles, int base = 0) {
   // Threads split the tiles (a few an item for a small M, so that a thread's share is
-  // worth waking it: at one row, 256 groups of 32 weights, so that each of a decode's
+  // worth waking it: at one row, 256 blocks of 32 weights, so that each of a decode's
   // linears, even the 576 x 576 one, is split across two threads); each takes rows in
   // blocks of kRowBlock against a slab of its tiles, so that the slab's codes (or words)
   // stay in cache while the block's rows pass over them. The split never changes an
   // element's bits.
   constexpr int64_t kRowBlock = 64, kSlab = 16;
-  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, M * o.KB));
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, M * (o.K / kGroup)));
+  const Codes<B> w_codes(o.codes, o.tile_bytes, base);
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     if constexpr (kUnpacks) {
       if (M >= kUnpackRows) {
@@ -437,7 +558,7 @@ void run(const Operands<Out>& o, int64_t M, int64_t tiles) {
         if (words.size() < static_cast<size_t>(slab * tile_words)) words.resize(slab * tile_words);
         for (int64_t s = begin; s < end; s += slab) {
           const int64_t e = std::min(end, s + slab);
-          unpack_tiles(o.codes + s * o.tile_bytes, o.tile_bytes, e - s, words.data());
+          unpack_tiles(w_codes.at(s), e - s, words.data());
           const Unpacked w{words.data(), tile_words};
           for (int64_t r = 0; r < M; r += kRowBlock)
             rows_against(o, w, s, r, std::min(M, r + kRowBlock), s, e);
@@ -445,13 +566,11 @@ void run(const Operands<Out>& o, int64_t M, int64_t tiles) {
         return;
       }
     }
-    const Codes w{o.codes, o.tile_bytes};
     for (int64_t s = begin; s < end; s += kSlab)
       for (int64_t r = 0; r < M; r += kRowBlock)
-        rows_against(o, w, 0, r, std::min(M, r + kRowBlock), s, std::min(end, s + kSlab));
+        rows_against(o, w_codes, 0, r, std::min(M, r + kRowBlock), s, std::min(end, s + kSlab));
   });
 }
-
 
 // ---------------------------------------------------------------------------------------
 // AMX (Intel's tile units, from Sapphire Rapids): where the compiler targets them and the OS
@@ -538,7 +657,7 @@ struct AmxFromWords {
 // Rows [r, r + rows) (rows <= 32: blocks of 16, the configuration's) against output tiles
 // [t, t + NT), NT 1 or 2; w's tile 0 is tile `base`.
 template <int NT, typename W, typename Out>
-void amx_block(const Operands<Out>& o, W& w, int64_t base, int64_t r, int rows, int64_t t) {
+void amx_block(const Operands<c10::Half, Out>& o, W& w, int64_t base, int64_t r, int rows, int64_t t) {
   const int RB = rows > 16 ? 2 : 1;
   const int r0 = std::min(rows, 16), r1 = rows - r0;
   alignas(64) float acc[2][NT][kTile][kTile];
@@ -596,7 +715,7 @@ void amx_block(const Operands<Out>& o, W& w, int64_t base, int64_t r, int rows, 
 // Rows [0, M) against tiles [begin, end), w's tile 0 being `base`: blocks of 32 rows (the
 // last one shorter), tiles two at a time.
 template <typename W, typename Out>
-void amx_rows(const Operands<Out>& o, W& w, int64_t base, int64_t M, int64_t begin,
+void amx_rows(const Operands<c10::Half, Out>& o, W& w, int64_t base, int64_t M, int64_t begin,
               int64_t end, int& configured) {
   for (int64_t r = 0; r < M; r += 32) {
     const int rows = static_cast<int>(std::min<int64_t>(32, M - r));
@@ -627,7 +746,7 @@ inline void configure_small(int rows) {
 }
 
 template <int NT, int kRows, typename Out>  // kRows: the rows when fixed (a decode's 1), else 0
-void amx_small(const Operands<Out>& o, const Codes& codes, int64_t r, int any_rows, int64_t t) {
+void amx_small(const Operands<c10::Half, Out>& o, const Codes<4>& codes, int64_t r, int any_rows, int64_t t) {
   const int rows = kRows ? kRows : any_rows;
   alignas(64) uint16_t words[2][3][kGroup * kTile];
   alignas(64) float sums[2][3][kTile][kTile];
@@ -638,7 +757,7 @@ void amx_small(const Operands<Out>& o, const Codes& codes, int64_t r, int any_ro
   const uint16_t* x = o.x + r * o.K;
   auto unpack = [&](int64_t b) {
     for (int n = 0; n < NT; ++n) {
-      const Codes at{codes.codes + (t + n) * codes.tile_bytes, codes.tile_bytes};
+      const Codes<4> at = codes.at(t + n);
       uint16_t* p = words[b & 1][n];
       for (int64_t c = 0; c < kChunksPerGroup; ++c) {
         __m512bh w0, w1;
@@ -688,7 +807,7 @@ void amx_small(const Operands<Out>& o, const Codes& codes, int64_t r, int any_ro
 }
 
 template <typename Out>
-void run_amx(const Operands<Out>& o, int64_t M, int64_t tiles) {
+void run_amx(const Operands<c10::Half, Out>& o, int64_t M, int64_t tiles) {
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, M * o.KB));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     int configured = -1;  // another library's tile code may have run on this thread since
@@ -700,12 +819,12 @@ void run_amx(const Operands<Out>& o, int64_t M, int64_t tiles) {
       if (words.size() < static_cast<size_t>(slab * tile_words)) words.resize(slab * tile_words);
       for (int64_t s = begin; s < end; s += slab) {
         const int64_t e = std::min(end, s + slab);
-        unpack_tiles(o.codes + s * o.tile_bytes, o.tile_bytes, e - s, words.data());
+        unpack_tiles(Codes<4>(o.codes, o.tile_bytes).at(s), e - s, words.data());
         AmxFromWords w{Unpacked{words.data(), tile_words}};
         amx_rows(o, w, s, M, s, e, configured);
       }
     } else {
-      const Codes codes{o.codes, o.tile_bytes};
+      const Codes<4> codes(o.codes, o.tile_bytes);
       for (int64_t r = 0; r < M; r += 16) {
         const int rows = static_cast<int>(std::min<int64_t>(16, M - r));
         configure_small(rows);
@@ -742,55 +861,102 @@ namespace parley_kernels {
 // so a process's linears and attention change paths together.
 bool amx_enabled() { return amx_on(); }
 
+// y (M, tiles x 16) = x W^T in `want`, for either op: x rounded to bf16, its group sums
+// where there are offsets, then AMX (q4_matmul's format, where it runs) or run<B>.
+template <int B, typename S>
+at::Tensor tiled_matmul(const at::Tensor& x, const uint8_t* codes, const S* d, const S* m,
+                        int64_t tiles, int64_t G, int base, at::ScalarType want, bool amx) {
+  (void)amx;  // only where the build has AMX
+  const int64_t M = x.size(0), K = x.size(1), N = tiles * kTile, KB = K / G;
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // fp32 activations round here
+  auto y = at::empty({M, N}, x.options().dtype(want));
+  if (M == 0 || N == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>());
+  std::vector<float> xs(m != nullptr ? M * KB : 0);
+  if (m != nullptr)
+    at::parallel_for(0, M * KB, 1024, [&](int64_t g0, int64_t g1) {
+      group_sums(xp + g0 * G, g1 - g0, xs.data() + g0, G);
+    });
+  const int64_t tile_bytes = (K / 4) * chunk_bytes(B);
+  const auto go = [&](auto* out) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    const Operands<S, Out> o{codes, d, m, xp, xs.data(), out, K, KB, N, tile_bytes, KB * kTile, G};
+#ifdef PARLEY_AMX
+    if constexpr (B == 4 && std::is_same_v<S, c10::Half>) {
+      if (amx) return run_amx(o, M, tiles);
+    }
+#endif
+    run<B>(o, M, tiles, base);
+  };
+  if (want == at::kFloat) go(y.data_ptr<float>());
+  else go(y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
 // x (M, K) fp32 or bf16 (rounded to bf16); codes, d, m as app/model/quant/int4.py's
 // parley_layout packs an (N, K) weight, N = 16 x d's first dimension. y (M, N) in
 // out_dtype (default: x's), from fp32 sums.
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const at::Tensor& m, c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x.dim() == 2, "q4_matmul: x must be (M, K)");
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   TORCH_CHECK(K % kGroup == 0, "q4_matmul: K must be a multiple of ", kGroup);
   TORCH_CHECK(d.dim() == 3 && d.size(1) == K / kGroup && d.size(2) == kTile,
               "q4_matmul: scales must be (tiles, K / 32, 16)");
-  const int64_t tiles = d.size(0), N = tiles * kTile, KB = K / kGroup;
+  const int64_t tiles = d.size(0);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == tiles * (K / 4) * kChunk,
               "q4_matmul: codes must be the packed uint8 layout for (N, K)");
   for (const auto* s : {&d, &m})
     TORCH_CHECK(s->scalar_type() == at::kHalf && s->is_contiguous() && s->sizes() == d.sizes(),
                 "q4_matmul: scales must be fp16 (tiles, K / 32, 16)");
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // fp32 activations round here
   const auto want = out_dtype.value_or(x.scalar_type());
   TORCH_CHECK(want == at::kFloat || want == at::kBFloat16, "q4_matmul: out in fp32 or bf16");
-  auto y = at::empty({M, N}, x.options().dtype(want));
-  if (M == 0 || N == 0) return y;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>());
-  std::vector<float> xs(M * KB);
-  at::parallel_for(0, M * KB, 1024, [&](int64_t g0, int64_t g1) {
-    group_sums(xp + g0 * kGroup, g1 - g0, xs.data() + g0);
-  });
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const c10::Half* dp = d.data_ptr<c10::Half>();
-  const c10::Half* mp = m.data_ptr<c10::Half>();
-  const int64_t tile_bytes = (K / 4) * kChunk;
-#ifdef PARLEY_AMX
-  if (amx_on()) {
-    if (want == at::kFloat)
-      run_amx(Operands<float>{cp, dp, mp, xp, xs.data(), y.data_ptr<float>(), K, KB, N,
-                              tile_bytes, KB * kTile}, M, tiles);
-    else
-      run_amx(Operands<c10::BFloat16>{cp, dp, mp, xp, xs.data(), y.data_ptr<c10::BFloat16>(),
-                                      K, KB, N, tile_bytes, KB * kTile}, M, tiles);
-    return y;
+  return tiled_matmul<4>(x, codes.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
+                         m.data_ptr<c10::Half>(), tiles, kGroup, 0, want, amx_on());
+}
+
+// group_matmul: GGUF's other group formats as stored (app/model/quant/kquants.py's
+// TiledGroupWeight): w[n, k] = scale[n, g] * q[n, k] + offset[n, g] per group g of `group`
+// (16 or 32) along K, q an integer of `bits` (4, 5, 6 or 8; code_value's layouts, `base`
+// the integer a stored 0 stands for). x (M, K) fp32 or bf16 (rounded to bf16); codes uint8
+// (tiles, K / 4, 32 or 64 bytes); scales and offsets fp32 (tiles, K / group, 16), offsets
+// optional. y (M, 16 tiles) in out_dtype (default: x's). Per output element the arithmetic
+// of q4_matmul's vector path (its order, with fp32 scales), for any M, on any CPU.
+at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, int64_t group, int64_t bits,
+                        int64_t base, c10::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.dim() == 2, "group_matmul: x must be (M, K)");
+  TORCH_CHECK(group == 16 || group == 32, "group_matmul: group must be 16 or 32");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "group_matmul: codes of 4, 5, 6 or 8 bits");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % group == 0, "group_matmul: K must be a multiple of the group");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) == K / group && scales.size(2) == kTile &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "group_matmul: scales must be fp32 (tiles, K / group, 16)");
+  const int64_t tiles = scales.size(0);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.numel() == tiles * (K / 4) * chunk_bytes(static_cast<int>(bits)),
+              "group_matmul: codes must be the tiled uint8 layout for (N, K) at ", bits, " bits");
+  const float* mp = nullptr;
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
+                    offsets->sizes() == scales.sizes(),
+                "group_matmul: offsets must be fp32 like the scales");
+    mp = offsets->data_ptr<float>();
   }
-#endif
-  if (want == at::kFloat)
-    run(Operands<float>{cp, dp, mp, xp, xs.data(), y.data_ptr<float>(), K, KB, N, tile_bytes,
-                        KB * kTile}, M, tiles);
-  else
-    run(Operands<c10::BFloat16>{cp, dp, mp, xp, xs.data(), y.data_ptr<c10::BFloat16>(), K, KB,
-                                N, tile_bytes, KB * kTile}, M, tiles);
-  return y;
+  const auto want = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(want == at::kFloat || want == at::kBFloat16, "group_matmul: out in fp32 or bf16");
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* dp = scales.data_ptr<float>();
+  const int b = static_cast<int>(base);
+  switch (bits) {
+    case 4: return tiled_matmul<4>(x, cp, dp, mp, tiles, group, b, want, false);
+    case 5: return tiled_matmul<5>(x, cp, dp, mp, tiles, group, b, want, false);
+    case 6: return tiled_matmul<6>(x, cp, dp, mp, tiles, group, b, want, false);
+    default: return tiled_matmul<8>(x, cp, dp, mp, tiles, group, b, want, false);
+  }
 }
 
 }  // namespace parley_kernels
@@ -799,6 +965,12 @@ TORCH_LIBRARY_FRAGMENT(parley, m) {
   m.def("q4_matmul(Tensor x, Tensor codes, Tensor d, Tensor m, ScalarType? out_dtype) -> Tensor");
   m.def("q4_path() -> str", &q4_path);
   m.def("q4_amx(bool? enable=None) -> bool", &q4_amx);
+  m.def(
+      "group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group, int bits, "
+      "int base, ScalarType? out_dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(parley, CPU, m) { m.impl("q4_matmul", &parley_kernels::q4_matmul); }
+TORCH_LIBRARY_IMPL(parley, CPU, m) {
+  m.impl("q4_matmul", &parley_kernels::q4_matmul);
+  m.impl("group_matmul", &parley_kernels::group_matmul);
+}

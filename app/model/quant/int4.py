@@ -252,10 +252,10 @@ def decode_layers_weights(model: LlamaModel) -> list[torch.Tensor]:
 
 def normed_layers_weights(model: LlamaModel) -> tuple[list, list[int], list, list[int]] | None:
     """What Parley's decode_layers_normed reads of a family with q/k norms (Qwen3, Gemma 3):
-    per layer its four linears as (3 tensors, kind: 0 for int4 on q4_matmul, else the group
-    of group_matmul), its norms' weights (input, post, q, k, then Gemma's attention and MLP
-    output norms) and its window (0: global). None unless every linear runs on one of those
-    kernels, without a bias."""
+    per layer its four linears as (3 tensors, 3 ints: (0, 0, 0) for int4 on q4_matmul, else
+    (group, bits, base) of group_matmul), its norms' weights (input, post, q, k, then
+    Gemma's attention and MLP output norms) and its window (0: global). None unless every
+    linear runs on one of those kernels, without a bias or padded rows."""
     linears: list[torch.Tensor] = []
     kinds: list[int] = []
     norms: list[torch.Tensor] = []
@@ -265,14 +265,14 @@ def normed_layers_weights(model: LlamaModel) -> tuple[list, list[int], list, lis
             lin = getattr(layer, name)
             if isinstance(lin, Int4Linear) and lin.kernel == "parley" and lin.bias is None:
                 linears += [lin.codes, lin.d, lin.m]
-                kinds.append(0)
+                kinds += [0, 0, 0]
             elif (
                 isinstance(lin, GroupLinear) and lin.kernel and lin.bias is None
-                and not lin.fp32_out
+                and not lin.fp32_out and lin.out_features % TILE == 0
             ):  # fmt: skip
-                none = torch.empty(0)
-                linears += [lin.codes, lin.scale, none if lin.offset is None else lin.offset]
-                kinds.append(lin.group)
+                w = lin.tiled
+                linears += [w.codes, w.scale, torch.empty(0) if w.offset is None else w.offset]
+                kinds += [w.group, w.bits, w.base]
             else:
                 return None
         norms += [layer.input_norm.weight, layer.post_norm.weight]

@@ -1,6 +1,6 @@
 """GGUF's 5-, 6- and 8-bit blocks and its K-quants (Q4_K, Q5_K, Q6_K), read as they are
 stored into one group-wise form, and their matmul on Parley's kernel
-(app/model/kernels/matmul.cpp: `parley.group_matmul`).
+(app/model/kernels/qmatmul.cpp: `parley.group_matmul`).
 
 Every one of these formats is, per group of 16 or 32 weights along a row,
 w = scale * q + offset with a small integer code q:
@@ -14,9 +14,12 @@ w = scale * q + offset with a small integer code q:
 The products d * sc and dmin * mb are exact in fp32 (at most 11 + 8 bits), and so is
 scale * q (at most 24 bits); scale * q + offset then rounds once, as llama.cpp's and
 `gguf.quants.dequantize`'s fp32 arithmetic does: `GroupWeight.dequantize` gives their bits.
-The codes are kept as int8 (a byte a weight, against 4.5-6.6 bits in the file: the price of
-one kernel for every format), the scales and offsets as fp32: nothing is rounded to fewer
-bits than the file has.
+Nothing is rounded to fewer bits than the file has.
+
+`GroupWeight` holds the codes as int8 rows (the form the cache stores); `TiledGroupWeight`
+is the kernel's layout, made at load: tiles of 16 rows, each code in the fewest of 4, 5, 6
+or 8 bits that its weight's range needs (two 4-bit codes a byte, else one a byte), scales
+and offsets fp32 beside them. A tied embedding looks its rows up in the same tiled bytes.
 """
 
 from __future__ import annotations
@@ -197,6 +200,85 @@ def from_gguf(blocks: np.ndarray, kind: str) -> GroupWeight:
     return GroupWeight(codes, scale, offset, group)
 
 
+TILE = 16  # output rows a tile of group_matmul
+
+
+@dataclass
+class TiledGroupWeight:
+    """A GroupWeight as Parley's group_matmul reads it (app/model/kernels/qmatmul.cpp): rows
+    in tiles of 16 (padded with zero rows), per tile K / 4 chunks of the 16 rows' codes for
+    4 k, scales and offsets [tiles, K / group, 16]. A code is stored in `bits` (the fewest
+    of 4, 5, 6 or 8 that hold the weight's range of codes) and stands for the integer
+    stored + `base` (8 bits: the int8 itself). Every choice of bits gives the same values,
+    so the same results; fewer bits are fewer bytes to read."""
+
+    codes: torch.Tensor  # uint8 [tiles, K / 4, 32 (4 bits) or 64]
+    scale: torch.Tensor  # float32 [tiles, K / group, 16]
+    offset: torch.Tensor | None  # float32 like scale, None: zero
+    group: int
+    bits: int
+    base: int
+    num_rows: int  # N, before padding
+
+    @classmethod
+    def tile(cls, w: GroupWeight) -> TiledGroupWeight:
+        n, k = w.shape
+        q = w.codes.numpy().astype(np.int16)
+        lo, hi = (int(q.min()), int(q.max())) if q.size else (0, 0)
+        bits = next(b for b in (4, 5, 6, 8) if hi - lo < 1 << b)
+        base = 0 if bits == 8 else lo
+        stored = (q - base).astype(np.uint8)  # bits 8: the int8's own byte
+        tiles = -(-n // TILE)
+        pad = tiles * TILE - n
+        if pad:
+            stored = np.concatenate([stored, np.zeros((pad, k), np.uint8)])  # scales 0
+        t = stored.reshape(tiles, TILE, k // 4, 2, 2)  # (tile, row n, chunk c, half h, j)
+        if bits == 4:  # byte 2n + j of chunk c: h = 0 in the low nibble, h = 1 in the high
+            chunks = (t[:, :, :, 0, :] | (t[:, :, :, 1, :] << 4)).transpose(0, 2, 1, 3)
+        else:  # bytes 32 h + 2n + j of chunk c
+            chunks = t.transpose(0, 2, 3, 1, 4)
+        codes = torch.from_numpy(np.ascontiguousarray(chunks).reshape(tiles, k // 4, -1))
+
+        def tiled(v: torch.Tensor) -> torch.Tensor:
+            v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad))
+            return v.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+        offset = None if w.offset is None else tiled(w.offset)
+        return cls(codes, tiled(w.scale), offset, w.group, bits, base, n)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.num_rows, self.codes.shape[1] * 4
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scale, self.offset) if t is not None)
+
+    def row_codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """The integer codes of rows `ids` [T] -> int16 [T, K]."""
+        tile, r = ids // TILE, ids % TILE
+        _, k = self.shape
+        if self.bits == 4:
+            b = self.codes.view(-1, k // 4, TILE, 2)[tile, :, r, :].to(torch.int16)  # [T, c, j]
+            q = torch.stack((b & 0x0F, b >> 4), dim=2)  # [T, c, h, j]
+        else:
+            q = self.codes.view(-1, k // 4, 2, TILE, 2)[tile, :, :, r, :]  # [T, c, h, j]
+            q = q.view(torch.int8) if self.bits == 8 else q
+            q = q.to(torch.int16)
+        return q.reshape(len(ids), k) + (0 if self.bits == 8 else self.base)
+
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `ids` [T] -> [T, K], as the file's own dequantization gives them
+        (GroupWeight.rows' arithmetic)."""
+        tile, r = ids // TILE, ids % TILE
+        t, k = len(ids), self.shape[1]
+        w = self.row_codes(ids).view(t, k // self.group, self.group).float()
+        w = w * self.scale[tile, :, r][..., None]
+        if self.offset is not None:
+            w += self.offset[tile, :, r][..., None]
+        return w.view(t, k)
+
+
 def group_matmul_available() -> bool:
     """Whether Parley's kernels (and so `parley.group_matmul`) are loaded."""
     return hasattr(torch.ops, "parley") and hasattr(torch.ops.parley, "group_matmul")
@@ -204,14 +286,14 @@ def group_matmul_available() -> bool:
 
 class GroupLinear(nn.Module):
     """y = x W^T + b, W a GroupWeight. On Parley's group_matmul where the kernels are
-    loaded (fp32 accumulation in a fixed order per element: a row's bits depend on nothing
-    but its own x, on any CPU); elsewhere an fp32 matmul over the dequantized weight (the
-    same weights, more memory). The result comes back in x's dtype, or fp32 with
-    `fp32_out` (an LM head)."""
+    loaded (x rounded to bf16, bf16 dot products accumulated in fp32 in a fixed order per
+    element: a row's bits depend on nothing but its own x, on any CPU); elsewhere an fp32
+    matmul over the dequantized weight (the same weights, more memory). The result comes
+    back in x's dtype, or fp32 with `fp32_out` (an LM head)."""
 
     def __init__(
         self,
-        weight: GroupWeight,
+        weight: GroupWeight | TiledGroupWeight,
         bias: torch.Tensor | None = None,
         kernel: bool = True,
         fp32_out: bool = False,
@@ -223,45 +305,58 @@ class GroupLinear(nn.Module):
         self.fp32_out = fp32_out
         self.kernel = kernel and group_matmul_available()
         if self.kernel:
-            self.codes = weight.codes.contiguous()
-            self.scale = weight.scale.contiguous()
-            self.offset = None if weight.offset is None else weight.offset.contiguous()
-            self.weight_nbytes = self.codes.nbytes + self.scale.nbytes
-            self.weight_nbytes += 0 if self.offset is None else self.offset.nbytes
+            tiled = isinstance(weight, TiledGroupWeight)
+            self.tiled = weight if tiled else TiledGroupWeight.tile(weight)
+            self.weight_nbytes = self.tiled.nbytes
         else:
-            self.dense = weight.dequantize()
+            gw = weight if isinstance(weight, GroupWeight) else None
+            if gw is None:
+                raise ValueError("a tiled weight needs Parley's group_matmul")
+            self.dense = gw.dequantize()
             self.weight_nbytes = self.dense.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
+            w = self.tiled
+            out = torch.float32 if self.fp32_out else x.dtype
             y = torch.ops.parley.group_matmul(
-                x.contiguous(), self.codes, self.scale, self.offset, self.group
+                x.contiguous(), w.codes, w.scale, w.offset, w.group, w.bits, w.base, out
             )
+            if y.shape[1] != self.out_features:  # rows padded to whole tiles
+                y = y[:, : self.out_features].contiguous()
         else:
             y = torch.nn.functional.linear(x.float(), self.dense)
-        if not self.fp32_out:
-            y = y.to(x.dtype)
+            if not self.fp32_out:
+                y = y.to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
-        on = "Parley's group_matmul" if self.kernel else "fp32 dequantized"
+        on = "fp32 dequantized"
+        if self.kernel:
+            on = f"Parley's group_matmul ({self.tiled.bits}-bit codes)"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"int8 codes per {self.group} on {on}"
+            f"groups of {self.group} on {on}"
         )
 
 
 class GroupEmbedding(nn.Module):
-    """Token embeddings looked up in a GroupWeight's rows, in `dtype` (each row as the
-    file's dequantization gives it in fp32, rounded to `dtype` once)."""
+    """Token embeddings looked up in a GroupWeight's rows (or a TiledGroupWeight's, the LM
+    head's bytes where the two are tied), in `dtype`: each row as the file's dequantization
+    gives it in fp32, rounded to `dtype` once."""
 
-    def __init__(self, weight: GroupWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: GroupWeight | TiledGroupWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.gw = weight
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.weight_nbytes = weight.codes.nbytes + weight.scale.nbytes
-        self.weight_nbytes += 0 if weight.offset is None else weight.offset.nbytes
+        if isinstance(weight, TiledGroupWeight):
+            self.weight_nbytes = weight.nbytes
+        else:
+            self.weight_nbytes = weight.codes.nbytes + weight.scale.nbytes
+            self.weight_nbytes += 0 if weight.offset is None else weight.offset.nbytes
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gw, TiledGroupWeight):
+            return self.gw.rows_of(ids).to(self.dtype)
         return self.gw.rows(ids).to(self.dtype)

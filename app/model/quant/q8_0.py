@@ -1,5 +1,4 @@
-"""The LM head and the embedding from GGUF's Q8_0 bytes as stored, and the LM head's matmul
-on Parley's own kernel (app/model/kernels/matmul.cpp: `parley.block_matmul`).
+"""The LM head and the embedding from GGUF's Q8_0 bytes as stored.
 
 Q8_0 keeps 32 weights a block as int8 codes and one fp16 scale, w = d * q: 8.5 bits a
 weight, half the bytes of bf16. The LM head is the largest matmul of a small model (the
@@ -8,10 +7,14 @@ read from these bytes directly, and d * q is exact in fp32: no rounding of the w
 all (bf16 rounded them to 8 bits of precision). The embedding looks up the same bytes, so
 one copy serves both where the checkpoint ties them.
 
-Why the LM head runs on our kernel even for float weights: a token's logits must be the
+Where activations are bf16 the head runs on `parley.group_matmul` (app/model/quant/kquants.py,
+bf16 dot products); with fp32 activations (a CPU without native bf16) on
+`parley.block_matmul` (app/model/kernels/matmul.cpp), here, which keeps x in fp32.
+
+Why the LM head runs on our kernels even for float weights: a token's logits must be the
 same bits whether it is decoded alone, scored among hundreds of prompt rows, or computed on
 one thread or two; oneDNN's kernel choice depends on the CPU and the row count, and on
-some CPUs one row and many differ (see matmul.cpp). The kernel returns fp32 logits.
+some CPUs one row and many differ (see matmul.cpp). The kernels return fp32 logits.
 """
 
 from __future__ import annotations
