@@ -370,8 +370,8 @@ constexpr int64_t kSpan = 512;
 
 constexpr int64_t kMaxHeadDim = 256;
 
-// kD: the head size when known at compile time (the common 64 and 128, whose loops then
-// vectorize whole), 0 for any other.
+// kD: the head size when known at compile time (the common 64, 128 and 256, whose loops
+// then vectorize whole), 0 for any other. Either gives the same bits.
 template <typename T, int64_t kD>
 void decode_span(const float* q /* G x D, widen_qk */, const T* k_cache, const T* v_cache,
                  const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t h,
@@ -776,6 +776,7 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
       float* st = stats.data() + it * 2 * G;
       const auto span_fn = D == 64    ? decode_span<T, 64>
                            : D == 128 ? decode_span<T, 128>
+                           : D == 256 ? decode_span<T, 256>
                                       : decode_span<T, 0>;
       span_fn(qf.data(), k_cache, v_cache, tables + b * max_blocks, block_size, kv_heads, h,
               first, last, G, D, scale, scores.data(), st, st + G,
@@ -1120,6 +1121,9 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 #ifdef __AVX512F__
     if constexpr (kD > 0 && kD % kLanes == 0) {
       constexpr int64_t kC = kD / kLanes, kGroup = kD <= 64 ? 4 : 2;
+      // Vectors of dims a pass, so that the sums and V's row stay in registers (a 256-wide
+      // head in two passes): each dim's chain of FMAs is its own, so the bits are one pass's.
+      constexpr int64_t kCc = kC < 8 ? kC : 8;
       for (; v + kGroup <= qvecs; v += kGroup) {
         // The keys all kGroup vectors have: rows ascend, so from the last one's start to the
         // first one's stop. Each vector's keys before and after them go one by one, so that
@@ -1128,25 +1132,27 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
         const int64_t common = std::max(from, stop_of(v, j0));
         for (int64_t k = 0; k < kGroup; ++k)
           single(v + k, start_of(v + k, j0), std::min(from, stop_of(v + k, j0)));
-        if (common > from) {
-          __m512 acc[kGroup][kC];
+        for (int64_t c0 = 0; common > from && c0 < kC; c0 += kCc) {
+          __m512 acc[kGroup][kCc];
           for (int64_t k = 0; k < kGroup; ++k)
-            for (int64_t c = 0; c < kC; ++c) acc[k][c] = _mm512_loadu_ps(out_of(v + k) + c * kLanes);
+            for (int64_t c = 0; c < kCc; ++c)
+              acc[k][c] = _mm512_loadu_ps(out_of(v + k) + (c0 + c) * kLanes);
           for (int64_t j = from; j < common; ++j) {
-            const float* vr = vf + j * kD;
-            __m512 row[kC];
-            for (int64_t c = 0; c < kC; ++c) {
+            const float* vr = vf + j * kD + c0 * kLanes;
+            __m512 row[kCc];
+            for (int64_t c = 0; c < kCc; ++c) {
               row[c] = _mm512_loadu_ps(vr + c * kLanes);
               asm("" : "+v"(row[c]));  // kept in a register: gcc would load it for every FMA
             }
             for (int64_t k = 0; k < kGroup; ++k) {
               const __m512 pj = _mm512_set1_ps(scores[(v + k) * kSpan + j]);
-              for (int64_t c = 0; c < kC; ++c)
+              for (int64_t c = 0; c < kCc; ++c)
                 acc[k][c] = _mm512_fmadd_ps(pj, row[c], acc[k][c]);
             }
           }
           for (int64_t k = 0; k < kGroup; ++k)
-            for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(out_of(v + k) + c * kLanes, acc[k][c]);
+            for (int64_t c = 0; c < kCc; ++c)
+              _mm512_storeu_ps(out_of(v + k) + (c0 + c) * kLanes, acc[k][c]);
         }
         for (int64_t k = 0; k < kGroup; ++k)
           single(v + k, std::max(common, start_of(v + k, j0)), stop_of(v + k, j0));
@@ -1260,8 +1266,10 @@ void paged_prefill_impl(const T* q, const T* k_cache, const T* v_cache, const in
     fit(stats, most_spans * tile * 2 * G);  // per span: the tile's rows' max and sum
     fit(partial, most_spans * tile * G * D);
     fit(o, D);
-    const auto fn = D == 64 ? prefill_span<T, 64> : D == 128 ? prefill_span<T, 128>
-                                                             : prefill_span<T, 0>;
+    const auto fn = D == 64    ? prefill_span<T, 64>
+                    : D == 128 ? prefill_span<T, 128>
+                    : D == 256 ? prefill_span<T, 256>
+                               : prefill_span<T, 0>;
 #ifdef PARLEY_AMX_ATTENTION
     const bool amx = amx_attention<T>(D, G);
     if (amx) amx_attention_tiles();  // another library's tile code may have run here
