@@ -199,12 +199,18 @@ def _int4_head(
     """The int4 model's embedding and LM head: from the checkpoint's Q8_0 bytes where it
     has them (app.model.quant.q8_0), and the LM head on Parley's group_matmul or
     block_matmul wherever the kernels are loaded (a logit's bits then depend on nothing but
-    the token's row); else
-    oneDNN's packed bf16 head, as model_from_int4 left it. `kernel`: Parley's kernels
-    serve this model (--cpu-kernels)."""
+    the token's row); else oneDNN's packed bf16 head, as model_from_int4 left it.
+    `kernel`: Parley's kernels serve this model (--cpu-kernels)."""
     embedding = q8.get(EMBEDDING)
     head = embedding if model.arch.tie_word_embeddings else q8.get(LM_HEAD)
     kernel = kernel and block_matmul_available() and group_matmul_available()
+    replace_embedding = embedding is not None and (kernel or not model.arch.tie_word_embeddings)
+    # What is replaced goes first: the float embedding and its packed copy are the model's
+    # largest tensors (Gemma 3's: 2 x 335 MB), and tiling the head needs room of its own.
+    if replace_embedding:
+        model.embed_tokens = None
+    if kernel:
+        model.packed_lm_head = None
     tiled = None
     if kernel:
         if isinstance(head, GroupWeight) or (head is not None and dtype == torch.bfloat16):
@@ -221,7 +227,7 @@ def _int4_head(
             fallback = model.lm_head_weight if float_head is None else float_head.to(dtype)
             model.packed_lm_head = BlockLinear(fallback)
         model.lm_head = None
-    if embedding is not None and (kernel or not model.arch.tie_word_embeddings):
+    if replace_embedding:
         if head is embedding and tiled is not None:
             model.embed_tokens = GroupEmbedding(tiled, dtype)
             model.embed_tokens.weight_nbytes = 0  # one copy of the bytes serves both

@@ -223,28 +223,35 @@ class TiledGroupWeight:
     @classmethod
     def tile(cls, w: GroupWeight) -> TiledGroupWeight:
         n, k = w.shape
-        q = w.codes.numpy().astype(np.int16)
-        lo, hi = (int(q.min()), int(q.max())) if q.size else (0, 0)
+        lo, hi = (int(v) for v in torch.aminmax(w.codes)) if w.codes.numel() else (0, 0)
         bits = next(b for b in (4, 5, 6, 8) if hi - lo < 1 << b)
         base = 0 if bits == 8 else lo
-        stored = (q - base).astype(np.uint8)  # bits 8: the int8's own byte
         tiles = -(-n // TILE)
+        width = 32 if bits == 4 else 64
+        codes = np.zeros((tiles, k // 4, width), np.uint8)  # padded rows: code 0, scale 0
+        src = w.codes.numpy().view(np.uint8)  # the int8's own bytes
+        step = 256  # tiles a slab: a few MB of temporaries at a time, whatever the weight
+        for t0 in range(0, tiles, step):
+            rows = src[t0 * TILE : (t0 + step) * TILE]
+            # code - base, in 0 .. 2^bits - 1: uint8 arithmetic wraps to it (bits 8: as is)
+            q = rows - np.uint8(base % 256) if base else rows
+            full = -(-len(q) // TILE) * TILE
+            if full != len(q):
+                q = np.concatenate([q, np.zeros((full - len(q), k), np.uint8)])
+            t = q.reshape(-1, TILE, k // 4, 2, 2)  # (tile, row n, chunk c, half h, j)
+            if bits == 4:  # byte 2n + j of chunk c: h = 0 in the low nibble, h = 1 in the high
+                chunk = (t[:, :, :, 0, :] | (t[:, :, :, 1, :] << 4)).transpose(0, 2, 1, 3)
+            else:  # bytes 32 h + 2n + j of chunk c
+                chunk = t.transpose(0, 2, 3, 1, 4)
+            codes[t0 : t0 + len(t)] = chunk.reshape(len(t), k // 4, width)
         pad = tiles * TILE - n
-        if pad:
-            stored = np.concatenate([stored, np.zeros((pad, k), np.uint8)])  # scales 0
-        t = stored.reshape(tiles, TILE, k // 4, 2, 2)  # (tile, row n, chunk c, half h, j)
-        if bits == 4:  # byte 2n + j of chunk c: h = 0 in the low nibble, h = 1 in the high
-            chunks = (t[:, :, :, 0, :] | (t[:, :, :, 1, :] << 4)).transpose(0, 2, 1, 3)
-        else:  # bytes 32 h + 2n + j of chunk c
-            chunks = t.transpose(0, 2, 3, 1, 4)
-        codes = torch.from_numpy(np.ascontiguousarray(chunks).reshape(tiles, k // 4, -1))
 
         def tiled(v: torch.Tensor) -> torch.Tensor:
             v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad))
             return v.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
 
         offset = None if w.offset is None else tiled(w.offset)
-        return cls(codes, tiled(w.scale), offset, w.group, bits, base, n)
+        return cls(torch.from_numpy(codes), tiled(w.scale), offset, w.group, bits, base, n)
 
     @property
     def shape(self) -> tuple[int, int]:
