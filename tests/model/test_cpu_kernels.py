@@ -431,10 +431,14 @@ def test_an_avx2_build_computes_the_same(tmp_path):
         groups = {{}}  # group_matmul at each code width, with and without offsets
         for lo, hi, group, off in [(0, 16, 32, True), (-16, 16, 32, False),
                                    (-32, 32, 16, False), (-128, 128, 32, False)]:
+            gscale = torch.rand(48, 576 // group, generator=g)
+            if lo == -16:  # fp16 scales (as Q5_0's are), the kernel's other scale type
+                gscale = gscale.half().float()
             gw = GroupWeight(torch.randint(lo, hi, (48, 576), generator=g).to(torch.int8),
-                             torch.rand(48, 576 // group, generator=g),
+                             gscale,
                              torch.randn(48, 576 // group, generator=g) if off else None, group)
             lin = GroupLinear(gw, fp32_out=True)
+            assert (lin.tiled.scale.dtype == torch.float16) == (lo == -16)
             groups[lin.tiled.bits] = [lin(x), lin(x[:1])]
         out = dict(norm=torch.ops.parley.rms_norm(x, w, 1e-5),
                    head=torch.ops.parley.block_matmul(x, codes, scales),

@@ -77,6 +77,9 @@ def test_the_tiled_layout_holds_the_files_weights_in_as_few_bits_as_they_need(ki
     # Random Q8_0 codes span more than 64 values; random K-quant bytes use every code.
     assert tiled.bits == TILED_BITS.get(kind, 8)
     assert tiled.shape == w.shape and tiled.codes.shape[0] == 3
+    # Scales (and offsets) in fp16 where the file's are fp16 values; K-quants' d * sc not.
+    want_half = kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    assert tiled.scale.dtype == (torch.float16 if want_half else torch.float32)
     assert tiled.codes.shape[2] == (32 if tiled.bits == 4 else 64)
     ids = torch.arange(37)
     assert torch.equal(tiled.row_codes(ids), w.codes.to(torch.int16))

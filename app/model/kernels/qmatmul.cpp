@@ -920,9 +920,10 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // TiledGroupWeight): w[n, k] = scale[n, g] * q[n, k] + offset[n, g] per group g of `group`
 // (16 or 32) along K, q an integer of `bits` (4, 5, 6 or 8; code_value's layouts, `base`
 // the integer a stored 0 stands for). x (M, K) fp32 or bf16 (rounded to bf16); codes uint8
-// (tiles, K / 4, 32 or 64 bytes); scales and offsets fp32 (tiles, K / group, 16), offsets
+// (tiles, K / 4, 32 or 64 bytes); scales and offsets (tiles, K / group, 16), both fp32 or
+// both fp16 (where the file's values are fp16: half the bytes, the same floats), offsets
 // optional. y (M, 16 tiles) in out_dtype (default: x's). Per output element the arithmetic
-// of q4_matmul's vector path (its order, with fp32 scales), for any M, on any CPU.
+// of q4_matmul's vector path (its order), for any M, on any CPU.
 at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t group, int64_t bits,
                         int64_t base, c10::optional<at::ScalarType> out_dtype) {
@@ -932,31 +933,33 @@ at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
               "group_matmul: codes of 4, 5, 6 or 8 bits");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % group == 0, "group_matmul: K must be a multiple of the group");
+  const auto st = scales.scalar_type();
   TORCH_CHECK(scales.dim() == 3 && scales.size(1) == K / group && scales.size(2) == kTile &&
-                  scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "group_matmul: scales must be fp32 (tiles, K / group, 16)");
+                  (st == at::kFloat || st == at::kHalf) && scales.is_contiguous(),
+              "group_matmul: scales must be fp32 or fp16 (tiles, K / group, 16)");
   const int64_t tiles = scales.size(0);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == tiles * (K / 4) * chunk_bytes(static_cast<int>(bits)),
               "group_matmul: codes must be the tiled uint8 layout for (N, K) at ", bits, " bits");
-  const float* mp = nullptr;
-  if (offsets.has_value()) {
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
+  if (offsets.has_value())
+    TORCH_CHECK(offsets->scalar_type() == st && offsets->is_contiguous() &&
                     offsets->sizes() == scales.sizes(),
-                "group_matmul: offsets must be fp32 like the scales");
-    mp = offsets->data_ptr<float>();
-  }
+                "group_matmul: offsets must be like the scales");
   const auto want = out_dtype.value_or(x.scalar_type());
   TORCH_CHECK(want == at::kFloat || want == at::kBFloat16, "group_matmul: out in fp32 or bf16");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* dp = scales.data_ptr<float>();
   const int b = static_cast<int>(base);
-  switch (bits) {
-    case 4: return tiled_matmul<4>(x, cp, dp, mp, tiles, group, b, want, false);
-    case 5: return tiled_matmul<5>(x, cp, dp, mp, tiles, group, b, want, false);
-    case 6: return tiled_matmul<6>(x, cp, dp, mp, tiles, group, b, want, false);
-    default: return tiled_matmul<8>(x, cp, dp, mp, tiles, group, b, want, false);
-  }
+  const auto go = [&](const auto* dp) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(dp)>>;
+    const S* mp = offsets.has_value() ? offsets->data_ptr<S>() : nullptr;
+    switch (bits) {
+      case 4: return tiled_matmul<4>(x, cp, dp, mp, tiles, group, b, want, false);
+      case 5: return tiled_matmul<5>(x, cp, dp, mp, tiles, group, b, want, false);
+      case 6: return tiled_matmul<6>(x, cp, dp, mp, tiles, group, b, want, false);
+      default: return tiled_matmul<8>(x, cp, dp, mp, tiles, group, b, want, false);
+    }
+  };
+  return st == at::kHalf ? go(scales.data_ptr<c10::Half>()) : go(scales.data_ptr<float>());
 }
 
 }  // namespace parley_kernels

@@ -19,7 +19,8 @@ Nothing is rounded to fewer bits than the file has.
 `GroupWeight` holds the codes as int8 rows (the form the cache stores); `TiledGroupWeight`
 is the kernel's layout, made at load: tiles of 16 rows, each code in the fewest of 4, 5, 6
 or 8 bits that its weight's range needs (two 4-bit codes a byte, else one a byte), scales
-and offsets fp32 beside them. A tied embedding looks its rows up in the same tiled bytes.
+and offsets beside them (fp16 where every one is an fp16 value, as Q8_0's and Q5_0's are;
+else fp32). A tied embedding looks its rows up in the same tiled bytes.
 """
 
 from __future__ import annotations
@@ -213,8 +214,8 @@ class TiledGroupWeight:
     so the same results; fewer bits are fewer bytes to read."""
 
     codes: torch.Tensor  # uint8 [tiles, K / 4, 32 (4 bits) or 64]
-    scale: torch.Tensor  # float32 [tiles, K / group, 16]
-    offset: torch.Tensor | None  # float32 like scale, None: zero
+    scale: torch.Tensor  # float32, or float16 where exact, [tiles, K / group, 16]
+    offset: torch.Tensor | None  # like scale, None: zero
     group: int
     bits: int
     base: int
@@ -246,9 +247,15 @@ class TiledGroupWeight:
             codes[t0 : t0 + len(t)] = chunk.reshape(len(t), k // 4, width)
         pad = tiles * TILE - n
 
+        # fp16 where every scale and offset is one (Q8_0's, Q5_0's, ...: the file's own):
+        # half their bytes, the same floats. K-quants' products d * sc need fp32.
+        parts = [v for v in (w.scale, w.offset) if v is not None]
+        half = all(torch.equal(v.half().float(), v) for v in parts)
+
         def tiled(v: torch.Tensor) -> torch.Tensor:
             v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad))
-            return v.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+            v = v.reshape(tiles, TILE, -1).transpose(1, 2)
+            return (v.half() if half else v).contiguous()
 
         offset = None if w.offset is None else tiled(w.offset)
         return cls(torch.from_numpy(codes), tiled(w.scale), offset, w.group, bits, base, n)
@@ -280,9 +287,9 @@ class TiledGroupWeight:
         tile, r = ids // TILE, ids % TILE
         t, k = len(ids), self.shape[1]
         w = self.row_codes(ids).view(t, k // self.group, self.group).float()
-        w = w * self.scale[tile, :, r][..., None]
+        w = w * self.scale[tile, :, r].float()[..., None]
         if self.offset is not None:
-            w += self.offset[tile, :, r][..., None]
+            w += self.offset[tile, :, r].float()[..., None]
         return w.view(t, k)
 
 
