@@ -82,7 +82,9 @@ namespace {
 constexpr int64_t kGroup = 32;  // q4_matmul's weights per (d, m); group_matmul's: 16 or 32
 constexpr int64_t kTile = 16;   // output rows a tile
 // Bytes of codes per chunk (4 k of a tile's 16 rows): two 4-bit codes a byte, else one.
-constexpr int64_t chunk_bytes(int bits) { return bits == 4 ? 32 : 64; }
+// 4 bits: two codes a byte; 5: two low nibbles a byte and a bit plane of the fifth bits;
+// else a code a byte.
+constexpr int64_t chunk_bytes(int bits) { return bits == 4 ? 32 : bits == 5 ? 40 : 64; }
 constexpr int64_t kChunk = chunk_bytes(4);
 constexpr int64_t kChunksPerGroup = kGroup / 4;
 
@@ -139,22 +141,29 @@ inline void group_sums(const uint16_t* x, int64_t G, float* out, int64_t group =
 // A weight's codes as stored in a tile's chunks, by bits a code (B):
 //   4: two a byte (byte 2n + j of a chunk c: q(n, 4c + j) in its low nibble, q(n, 4c + 2 + j)
 //      in its high one), each standing for the integer code + base;
-//   5, 6: one a byte, 0..31 or 0..63, standing for code + base (bytes 2n + j of the chunk's
-//      first 32: q(n, 4c + j); of its second 32: q(n, 4c + 2 + j));
+//   5: the same 32 bytes of low nibbles, then 8 bytes whose bit 32h + 2n + j (little-endian)
+//      is q(n, 4c + 2h + j)'s fifth bit: 5 bits a weight, the file's own count;
+//   6: one a byte, 0..63, standing for code + base (bytes 2n + j of the chunk's first 32:
+//      q(n, 4c + j); of its second 32: q(n, 4c + 2 + j));
 //   8: one a byte in the same order, an int8 that is the integer itself.
 // However a code is stored, it becomes the same bf16 value (an integer of at most 8 bits is
 // exact in bf16), so the format changes the bytes read, never the bits of a result.
 inline float code_value(const uint8_t* chunk, int bits, int base, int n, int h, int j) {
-  if (bits == 4) {
+  if (bits == 4 || bits == 5) {
     const uint8_t byte = chunk[2 * n + j];
-    return static_cast<float>((h ? byte >> 4 : byte & 0x0F) + base);
+    int q = h ? byte >> 4 : byte & 0x0F;
+    if (bits == 5) {
+      const int bit = 32 * h + 2 * n + j;
+      q |= ((chunk[32 + bit / 8] >> (bit % 8)) & 1) << 4;
+    }
+    return static_cast<float>(q + base);
   }
   const uint8_t byte = chunk[32 * h + 2 * n + j];
   return bits == 8 ? static_cast<float>(static_cast<int8_t>(byte))
                    : static_cast<float>(byte + base);
 }
 
-// 16 scales (or offsets) as floats: q4_matmul's are the file's fp16, group_matmul's fp32.
+// 16 scales (or offsets) as floats: the file's fp16, or fp32.
 inline float scale_value(const c10::Half* p, int i) { return static_cast<float>(p[i]); }
 inline float scale_value(const float* p, int i) { return p[i]; }
 
@@ -233,10 +242,18 @@ struct Codes {  // from the stored codes (code_value's layouts): a table look-up
   }
   inline void get(int n, int64_t chunk, __m512bh& w0, __m512bh& w1) const {
     const uint8_t* p = codes + n * tile_bytes + chunk * kChunkBytes;
-    if constexpr (B == 4) {
+    if constexpr (B == 4 || B == 5) {
       const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      w0 = word(_mm512_and_si512(raw, low4));
-      w1 = word(_mm512_srli_epi16(raw, 4));
+      __m512i q0 = _mm512_and_si512(raw, low4), q1 = _mm512_srli_epi16(raw, 4);
+      if constexpr (B == 5) {  // the fifth bits: 16 in the words whose bit is set
+        uint32_t m0, m1;
+        std::memcpy(&m0, p + 32, 4);
+        std::memcpy(&m1, p + 36, 4);
+        q0 = _mm512_or_si512(q0, _mm512_maskz_set1_epi16(m0, 16));
+        q1 = _mm512_or_si512(q1, _mm512_maskz_set1_epi16(m1, 16));
+      }
+      w0 = word(q0);
+      w1 = word(q1);
     } else if constexpr (B == 8) {
       w0 = int8_words(p);
       w1 = int8_words(p + 32);
@@ -393,10 +410,22 @@ inline void chunk_vecs(const uint8_t* p, int base, V16 q[2][2]) {
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   for (int h = 0; h < 2; ++h) {
     __m256i raw;
-    if constexpr (B == 4)
+    if constexpr (B == 4 || B == 5) {
       raw = _mm256_and_si256(h ? _mm256_srli_epi16(packed, 4) : packed, low4);
-    else
+      if constexpr (B == 5) {  // byte i gets 16 where bit i of the half's 32 is set
+        uint32_t m;
+        std::memcpy(&m, p + 32 + 4 * h, 4);
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(static_cast<int32_t>(m)),
+            _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                             2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        raw = _mm256_or_si256(raw, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+      }
+    } else {
       raw = h ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)) : packed;
+    }
     const __m256i s = _mm256_shuffle_epi8(raw, split);
     const __m128i rows0 = _mm256_castsi256_si128(s), rows8 = _mm256_extracti128_si256(s, 1);
     q[h][0] = {eight(rows0), eight(rows8)};

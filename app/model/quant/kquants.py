@@ -18,9 +18,10 @@ Nothing is rounded to fewer bits than the file has.
 
 `GroupWeight` holds the codes as int8 rows (the form the cache stores); `TiledGroupWeight`
 is the kernel's layout, made at load: tiles of 16 rows, each code in the fewest of 4, 5, 6
-or 8 bits that its weight's range needs (two 4-bit codes a byte, else one a byte), scales
-and offsets beside them (fp16 where every one is an fp16 value, as Q8_0's and Q5_0's are;
-else fp32). A tied embedding looks its rows up in the same tiled bytes.
+or 8 bits that its weight's range needs (two 4-bit codes a byte; 5 bits as those and a
+plane of fifth bits; 6 and 8 bits one a byte), scales and offsets beside them (fp16 where
+every one is an fp16 value, as Q8_0's and Q5_0's are; else fp32). A tied embedding looks its
+rows up in the same tiled bytes.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class TiledGroupWeight:
     stored + `base` (8 bits: the int8 itself). Every choice of bits gives the same values,
     so the same results; fewer bits are fewer bytes to read."""
 
-    codes: torch.Tensor  # uint8 [tiles, K / 4, 32 (4 bits) or 64]
+    codes: torch.Tensor  # uint8 [tiles, K / 4, 32 (4 bits), 40 (5) or 64]
     scale: torch.Tensor  # float32, or float16 where exact, [tiles, K / group, 16]
     offset: torch.Tensor | None  # like scale, None: zero
     group: int
@@ -228,7 +229,7 @@ class TiledGroupWeight:
         bits = next(b for b in (4, 5, 6, 8) if hi - lo < 1 << b)
         base = 0 if bits == 8 else lo
         tiles = -(-n // TILE)
-        width = 32 if bits == 4 else 64
+        width = {4: 32, 5: 40}.get(bits, 64)  # bytes a chunk (qmatmul.cpp's code_value)
         codes = np.zeros((tiles, k // 4, width), np.uint8)  # padded rows: code 0, scale 0
         src = w.codes.numpy().view(np.uint8)  # the int8's own bytes
         step = 256  # tiles a slab: a few MB of temporaries at a time, whatever the weight
@@ -240,11 +241,16 @@ class TiledGroupWeight:
             if full != len(q):
                 q = np.concatenate([q, np.zeros((full - len(q), k), np.uint8)])
             t = q.reshape(-1, TILE, k // 4, 2, 2)  # (tile, row n, chunk c, half h, j)
-            if bits == 4:  # byte 2n + j of chunk c: h = 0 in the low nibble, h = 1 in the high
-                chunk = (t[:, :, :, 0, :] | (t[:, :, :, 1, :] << 4)).transpose(0, 2, 1, 3)
+            out = codes[t0 : t0 + len(t)]
+            if bits in (4, 5):  # byte 2n + j of chunk c: h = 0 in the low nibble, h = 1 high
+                low = t & 0x0F
+                chunk = (low[:, :, :, 0, :] | (low[:, :, :, 1, :] << 4)).transpose(0, 2, 1, 3)
+                out[..., :32] = chunk.reshape(len(t), k // 4, 32)
+                if bits == 5:  # bit 32 h + 2n + j of the chunk's last 8 bytes: the fifth bit
+                    fifth = (t >> 4).transpose(0, 2, 3, 1, 4).reshape(len(t), k // 4, 64)
+                    out[..., 32:] = np.packbits(fifth, axis=-1, bitorder="little")
             else:  # bytes 32 h + 2n + j of chunk c
-                chunk = t.transpose(0, 2, 3, 1, 4)
-            codes[t0 : t0 + len(t)] = chunk.reshape(len(t), k // 4, width)
+                out[...] = t.transpose(0, 2, 3, 1, 4).reshape(len(t), k // 4, 64)
         pad = tiles * TILE - n
 
         # fp16 where every scale and offset is one (Q8_0's, Q5_0's, ...: the file's own):
@@ -272,9 +278,16 @@ class TiledGroupWeight:
         """The integer codes of rows `ids` [T] -> int16 [T, K]."""
         tile, r = ids // TILE, ids % TILE
         _, k = self.shape
-        if self.bits == 4:
-            b = self.codes.view(-1, k // 4, TILE, 2)[tile, :, r, :].to(torch.int16)  # [T, c, j]
+        if self.bits in (4, 5):
+            nibbles = self.codes[..., :32].reshape(-1, k // 4, TILE, 2)
+            b = nibbles[tile, :, r, :].to(torch.int16)  # [T, c, j]
             q = torch.stack((b & 0x0F, b >> 4), dim=2)  # [T, c, h, j]
+            if self.bits == 5:  # the rows' tiles' bit planes, unpacked: [T, c, 64 bits]
+                plane = self.codes[tile, :, 32:].numpy()
+                bits = np.unpackbits(plane, axis=-1, bitorder="little")
+                bits = bits.reshape(len(ids), k // 4, 2, TILE, 2)  # (row, c, h, n, j)
+                fifth = bits[np.arange(len(ids)), :, :, r.numpy(), :]  # [T, c, h, j]
+                q |= torch.from_numpy(fifth).to(torch.int16) << 4
         else:
             q = self.codes.view(-1, k // 4, 2, TILE, 2)[tile, :, :, r, :]  # [T, c, h, j]
             q = q.view(torch.int8) if self.bits == 8 else q
