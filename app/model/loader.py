@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,43 +95,69 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     return LoadedModel(name, arch, weights, tokenizer, eos, key, path, types)
 
 
+def top_names(arch: ArchConfig) -> dict[str, str]:
+    """The tensors outside the layers: Hugging Face name -> ours (a tied model has no head)."""
+    names = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
+    if not arch.tie_word_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    return names
+
+
+def fuse_top(name: str, tensor: torch.Tensor, arch: ArchConfig) -> tuple[str, torch.Tensor]:
+    """One tensor of top_names in our name and form."""
+    _, norm_offset = layer_norms(arch)
+    if name == "model.norm.weight" and norm_offset:
+        tensor = tensor + norm_offset
+    return top_names(arch)[name], tensor
+
+
+def layer_of(name: str) -> int | None:
+    """The layer a Hugging Face tensor name belongs to (model.layers.12. ...), or None."""
+    if not name.startswith("model.layers."):
+        return None
+    index = name.split(".", 3)[2]
+    return int(index) if index.isdigit() else None
+
+
+def fuse_layer(hf: dict[str, torch.Tensor], arch: ArchConfig, i: int) -> dict[str, torch.Tensor]:
+    """Layer i's tensors, Hugging Face names -> ours (q, k, v and gate, up fused).
+    Consumes them from `hf`."""
+    norms, norm_offset = layer_norms(arch)
+    p = f"model.layers.{i}."
+    q = f"layers.{i}."
+    out = {}
+    for theirs, ours in norms.items():
+        out[q + ours] = hf.pop(p + theirs) + norm_offset if norm_offset else hf.pop(p + theirs)
+    fused = hf.pop(p + "self_attn.qkv_proj.weight", None)  # Phi-3 stores them so
+    out[q + "qkv.weight"] = (
+        torch.cat([hf.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
+        if fused is None
+        else fused
+    )
+    if arch.attention_bias:
+        out[q + "qkv.bias"] = torch.cat(
+            [hf.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
+        )
+    out[q + "o_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight")
+    fused = hf.pop(p + "mlp.gate_up_proj.weight", None)
+    out[q + "gate_up.weight"] = (
+        torch.cat([hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
+        if fused is None
+        else fused
+    )
+    out[q + "down.weight"] = hf.pop(p + "mlp.down_proj.weight")
+    return out
+
+
 def fuse_weights(hf: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
     """Hugging Face names -> ours. Consumes `hf` layer by layer to keep peak memory low."""
-    out = {
-        "embed_tokens.weight": hf.pop("model.embed_tokens.weight"),
-        "norm.weight": hf.pop("model.norm.weight"),
-    }
-    lm_head = hf.pop("lm_head.weight", None)
-    if not arch.tie_word_embeddings:
-        if lm_head is None:
-            raise ValueError("the checkpoint has no lm_head.weight and does not tie embeddings")
-        out["lm_head.weight"] = lm_head
-    norms, norm_offset = layer_norms(arch)
-    if norm_offset:
-        out["norm.weight"] = out["norm.weight"] + norm_offset
+    if not arch.tie_word_embeddings and "lm_head.weight" not in hf:
+        raise ValueError("the checkpoint has no lm_head.weight and does not tie embeddings")
+    if arch.tie_word_embeddings:
+        hf.pop("lm_head.weight", None)  # the embedding serves
+    out = dict(fuse_top(name, hf.pop(name), arch) for name in top_names(arch))
     for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        q = f"layers.{i}."
-        for theirs, ours in norms.items():
-            out[q + ours] = hf.pop(p + theirs) + norm_offset if norm_offset else hf.pop(p + theirs)
-        fused = hf.pop(p + "self_attn.qkv_proj.weight", None)  # Phi-3 stores them so
-        out[q + "qkv.weight"] = (
-            torch.cat([hf.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
-            if fused is None
-            else fused
-        )
-        if arch.attention_bias:
-            out[q + "qkv.bias"] = torch.cat(
-                [hf.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"], dim=0
-            )
-        out[q + "o_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight")
-        fused = hf.pop(p + "mlp.gate_up_proj.weight", None)
-        out[q + "gate_up.weight"] = (
-            torch.cat([hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
-            if fused is None
-            else fused
-        )
-        out[q + "down.weight"] = hf.pop(p + "mlp.down_proj.weight")
+        out.update(fuse_layer(hf, arch, i))
     unused = [k for k in hf if "rotary_emb" not in k]
     if unused:
         log.warning("ignoring %d unexpected tensors, e.g. %s", len(unused), unused[:3])
@@ -156,36 +183,58 @@ def _load_hf_folder(path: Path) -> tuple[ArchConfig, dict[str, torch.Tensor], ob
 
 def _load_gguf_cached(path: Path, target: Path) -> tuple[ArchConfig, dict, object]:
     """`target`: the cache folder, named after the file's content (see fingerprint)."""
-    if not (target / "model.safetensors").exists():
+    if not (target / "arch.json").exists():
         _convert_gguf(path, target)
     arch = ArchConfig.from_dict(json.loads((target / "arch.json").read_text()))
-    weights = read_tensors(target / "model.safetensors")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(target.glob("*.safetensors")):
+        weights.update(read_tensors(shard))
     tokenizer = AutoTokenizer.from_pretrained(str(target / "tokenizer"))
     return arch, weights, tokenizer
 
 
 def _convert_gguf(path: Path, target: Path) -> None:
-    """Dequantize once and store our layout; atomic (a crash leaves no half cache)."""
-    from app.model.gguf_file import iter_tensors, open_gguf, tensor_types
+    """Dequantize once and store our layout, a layer a file as each layer's last tensor
+    arrives (so that memory holds one layer's fp32 weights, not the model's: a 1B model's
+    first start peaked at 5.7 GiB when it held them all); atomic (a crash leaves no half
+    cache)."""
+    from app.model.gguf_file import hf_name, iter_tensors, open_gguf, tensor_types
 
     started = time.monotonic()
     reader, arch = open_gguf(path)
-    hf: dict[str, torch.Tensor] = {}
-    progress = tqdm(
-        iter_tensors(reader, arch),
-        total=len(reader.tensors),
-        desc=f"Converting {path.name} (once)",
-        unit="tensor",
-        file=sys.stderr,
-    )
-    for name, tensor in progress:
-        hf[name] = tensor
-    weights = fuse_weights(hf, arch)
+    names = [n for t in reader.tensors if (n := hf_name(t.name, arch.architecture))]
+    if not arch.tie_word_embeddings and "lm_head.weight" not in names:
+        raise ValueError("the checkpoint has no lm_head.weight and does not tie embeddings")
+    per_layer = Counter(i for n in names if (i := layer_of(n)) is not None)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     types = tensor_types(reader, arch.architecture)
 
     def fill(tmp: Path) -> None:
-        save_file(weights, str(tmp / "model.safetensors"))
+        progress = tqdm(
+            iter_tensors(reader, arch),
+            total=len(reader.tensors),
+            desc=f"Converting {path.name} (once)",
+            unit="tensor",
+            file=sys.stderr,
+        )
+        pending: dict[int, dict[str, torch.Tensor]] = {}
+        for name, tensor in progress:
+            i = layer_of(name)
+            if i is None:
+                if name in top_names(arch):
+                    ours, t = fuse_top(name, tensor, arch)
+                    save_file({ours: t}, str(tmp / f"{ours}.safetensors"))
+                elif "rotary_emb" not in name and name != "lm_head.weight":
+                    log.warning("ignoring an unexpected tensor: %s", name)
+                continue
+            layer = pending.setdefault(i, {})
+            layer[name] = tensor
+            if len(layer) == per_layer[i]:
+                del pending[i]
+                fused = fuse_layer(layer, arch, i)
+                if [k for k in layer if "rotary_emb" not in k]:
+                    log.warning("ignoring unexpected tensors of layer %d: %s", i, list(layer))
+                save_file(fused, str(tmp / f"layers.{i:04d}.safetensors"))
         (tmp / "arch.json").write_text(json.dumps(arch.to_dict(), indent=1))
         (tmp / "tensor_types.json").write_text(json.dumps(types, indent=1))
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
