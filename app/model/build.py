@@ -66,6 +66,13 @@ NATIVE_4BIT = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 kernel runs as 
 # GGUF types served as stored, whatever their bits: NATIVE_4BIT on q4_matmul, the others
 # (K-quants, Q5_0/Q5_1, Q8_0) on group_matmul with fp32 group scales.
 AS_STORED = GROUP_TYPES
+# How group_matmul holds each type alone (kquants.TiledGroupWeight: the fewest bits its codes
+# need; fp16 scales where the file's are); in a fused linear the widest part's code decides.
+STORED_AS = {
+    "Q4_K": "4-bit codes, fp32 scales", "Q5_0": "5-bit codes, fp16 scales",
+    "Q5_1": "5-bit codes, fp16 scales", "Q5_K": "5-bit codes, fp32 scales",
+    "Q6_K": "6-bit codes, fp32 scales", "Q8_0": "8-bit codes, fp16 scales",
+}  # fmt: skip
 EXACT_REFERENCE = "--quantization none --dtype float32"
 
 
@@ -317,12 +324,15 @@ def _kernels_by_type(loaded: LoadedModel, kernel: str) -> str:
     """Which kernel each stored type of the linears runs on, for the start-up log."""
     q4 = "Parley's q4_matmul" if kernel == "parley" else "PyTorch's int4 kernel"
     group = "Parley's group_matmul" if kernel == "parley" else "fp32 dequantized"
+    if kernel == "parley":
+        group += f" ({torch.ops.parley.group_path()})"
     out = []
     for t in sorted(loaded.linear_types()):
         if t in NATIVE_4BIT:
             out.append(f"{t} on {q4} (where a fused linear mixes types: {group})")
         elif t in AS_STORED:
-            out.append(f"{t} with fp32 group scales on {group}")
+            held = STORED_AS.get(t, "")
+            out.append(f"{t} on {group}" + (f": {held}" if kernel == "parley" else ""))
         else:
             out.append(f"{t} rounded to 4 bits on {q4}")
     return "; ".join(out) or "floats rounded to 4 bits"

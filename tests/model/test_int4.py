@@ -378,6 +378,23 @@ def test_the_start_up_line_names_the_gguf_types_served_as_stored(tokenizer, monk
     assert fmt.stored == () and fmt.describe().startswith("int4 weights (groups of 32")
 
 
+def test_the_start_up_log_names_each_types_kernel_and_how_it_is_held(tokenizer, parley_kernels):
+    from app.model.build import _kernels_by_type
+
+    loaded = tiny_loaded(tokenizer)
+    loaded.tensor_types = {
+        "model.layers.0.self_attn.q_proj.weight": "Q5_0",
+        "model.layers.0.mlp.down_proj.weight": "Q6_K",
+        "model.layers.0.mlp.up_proj.weight": "Q4_1",
+    }
+    line = _kernels_by_type(loaded, "parley")
+    path = torch.ops.parley.group_path()  # the vector path this CPU runs (never AMX)
+    assert f"Q5_0 on Parley's group_matmul ({path}): 5-bit codes, fp16 scales" in line
+    assert f"Q6_K on Parley's group_matmul ({path}): 6-bit codes, fp32 scales" in line
+    assert "Q4_1 on Parley's q4_matmul" in line
+    assert "AMX" not in path
+
+
 def test_auto_keeps_float_checkpoints_as_they_are(tokenizer, monkeypatch):
     fake_cpu(monkeypatch, True)
     loaded = tiny_loaded(tokenizer)

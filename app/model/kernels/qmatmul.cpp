@@ -875,6 +875,7 @@ void run_amx(const Operands<c10::Half, Out>& o, int64_t M, int64_t tiles) {
 #endif
 
 std::string q4_path() { return amx_on() ? "AMX (tdpbf16ps)" : kPath; }
+std::string group_path() { return kPath; }  // group_matmul never runs on AMX's tiles
 
 // Whether the AMX path may run (where it can); returns whether it runs now.
 bool q4_amx(c10::optional<bool> want) {
@@ -996,6 +997,7 @@ at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 TORCH_LIBRARY_FRAGMENT(parley, m) {
   m.def("q4_matmul(Tensor x, Tensor codes, Tensor d, Tensor m, ScalarType? out_dtype) -> Tensor");
   m.def("q4_path() -> str", &q4_path);
+  m.def("group_path() -> str", &group_path);
   m.def("q4_amx(bool? enable=None) -> bool", &q4_amx);
   m.def(
       "group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group, int bits, "
