@@ -1,6 +1,6 @@
 """Parley's CPU kernels (cpu_kernels.cpp: the layers' small ops and attention; matmul.cpp:
-the LM head's matmul; qmatmul.cpp: the int4 linears' matmul), compiled once per machine and
-loaded as `torch.ops.parley.*`.
+a float LM head's matmul; qmatmul.cpp: the quantized linears' and heads' matmuls, q4_matmul
+and group_matmul), compiled once per machine and loaded as `torch.ops.parley.*`.
 
 A decode step at one request is ~40 small tensor ops a layer, each a few microseconds of
 dispatch for a few thousand multiply-adds; the kernels here do a layer's norms, rotary,
