@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,13 +67,6 @@ NATIVE_4BIT = frozenset({"Q4_0", "Q4_1"})  # GGUF types the int4 kernel runs as 
 # GGUF types served as stored, whatever their bits: NATIVE_4BIT on q4_matmul, the others
 # (K-quants, Q5_0/Q5_1, Q8_0) on group_matmul with fp32 group scales.
 AS_STORED = GROUP_TYPES
-# How group_matmul holds each type alone (kquants.TiledGroupWeight: the fewest bits its codes
-# need; fp16 scales where the file's are); in a fused linear the widest part's code decides.
-STORED_AS = {
-    "Q4_K": "4-bit codes, fp32 scales", "Q5_0": "5-bit codes, fp16 scales",
-    "Q5_1": "5-bit codes, fp16 scales", "Q5_K": "5-bit codes, fp32 scales",
-    "Q6_K": "6-bit codes, fp32 scales", "Q8_0": "8-bit codes, fp16 scales",
-}  # fmt: skip
 EXACT_REFERENCE = "--quantization none --dtype float32"
 
 
@@ -193,7 +187,20 @@ def build_model(
     if fmt.quantization == "int4":
         head = None if loaded.arch.tie_word_embeddings else loaded.weights.get(LM_HEAD_OURS)
         _int4_head(model, q8, fmt.torch_dtype, kernel=model.ops.fused, float_head=head)
+        if held := group_layouts(model):
+            log.info("group_matmul weights as held: %s", held)
     return BuiltModel(model, fmt, weight_bytes(model))
+
+
+def group_layouts(model: torch.nn.Module) -> str:
+    """How the model's group_matmul weights are held (TiledGroupWeight: the bits a code
+    their range needs, fp16 or fp32 scales), counted, for the start-up log."""
+    held = Counter(
+        f"{m.tiled.bits}-bit codes with {str(m.tiled.scale.dtype).removeprefix('torch.')} scales"
+        for m in model.modules()
+        if isinstance(m, GroupLinear) and m.kernel
+    )
+    return ", ".join(f"{n} at {kind}" for kind, n in sorted(held.items()))
 
 
 def _int4_head(
@@ -216,10 +223,9 @@ def _int4_head(
     # largest tensors (Gemma 3's: 2 x 335 MB), and tiling the head needs room of its own.
     if replace_embedding:
         model.embed_tokens = None
-    if kernel:
-        model.packed_lm_head = None
     tiled = None
     if kernel:
+        model.packed_lm_head = None
         if isinstance(head, GroupWeight) or (head is not None and dtype == torch.bfloat16):
             # The checkpoint's quantized head on group_matmul (bf16 dot products: x is bf16
             # already), tiled once; a tied embedding looks its rows up in the same bytes.
@@ -331,8 +337,7 @@ def _kernels_by_type(loaded: LoadedModel, kernel: str) -> str:
         if t in NATIVE_4BIT:
             out.append(f"{t} on {q4} (where a fused linear mixes types: {group})")
         elif t in AS_STORED:
-            held = STORED_AS.get(t, "")
-            out.append(f"{t} on {group}" + (f": {held}" if kernel == "parley" else ""))
+            out.append(f"{t} on {group}")
         else:
             out.append(f"{t} rounded to 4 bits on {q4}")
     return "; ".join(out) or "floats rounded to 4 bits"

@@ -379,7 +379,10 @@ def test_the_start_up_line_names_the_gguf_types_served_as_stored(tokenizer, monk
 
 
 def test_the_start_up_log_names_each_types_kernel_and_how_it_is_held(tokenizer, parley_kernels):
-    from app.model.build import _kernels_by_type
+    from torch import nn
+
+    from app.model.build import _kernels_by_type, group_layouts
+    from app.model.quant.kquants import GroupLinear, GroupWeight
 
     loaded = tiny_loaded(tokenizer)
     loaded.tensor_types = {
@@ -389,10 +392,22 @@ def test_the_start_up_log_names_each_types_kernel_and_how_it_is_held(tokenizer, 
     }
     line = _kernels_by_type(loaded, "parley")
     path = torch.ops.parley.group_path()  # the vector path this CPU runs (never AMX)
-    assert f"Q5_0 on Parley's group_matmul ({path}): 5-bit codes, fp16 scales" in line
-    assert f"Q6_K on Parley's group_matmul ({path}): 6-bit codes, fp32 scales" in line
-    assert "Q4_1 on Parley's q4_matmul" in line
     assert "AMX" not in path
+    assert f"Q5_0 on Parley's group_matmul ({path})" in line
+    assert f"Q6_K on Parley's group_matmul ({path})" in line
+    assert "Q4_1 on Parley's q4_matmul" in line
+    # What is held is read off the weights themselves: the bits their codes need, and fp16
+    # scales where every scale is an fp16 value.
+    g = torch.Generator().manual_seed(0)
+
+    def linear(lo: int, hi: int, half: bool) -> GroupLinear:
+        scale = torch.rand(32, 2, generator=g)
+        codes = torch.randint(lo, hi, (32, 64), generator=g).to(torch.int8)
+        return GroupLinear(GroupWeight(codes, scale.half().float() if half else scale, None, 32))
+
+    model = nn.ModuleList([linear(-16, 16, True), linear(-16, 16, True), linear(-32, 32, False)])
+    held = group_layouts(model)
+    assert held == "2 at 5-bit codes with float16 scales, 1 at 6-bit codes with float32 scales"
 
 
 def test_auto_keeps_float_checkpoints_as_they_are(tokenizer, monkeypatch):
