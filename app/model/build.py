@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.config import ModelConfig
-from app.model import cpu, kernels
+from app.model import cpu, kernels, weight_arena
 from app.model.families import model_class
 from app.model.llama import FusedCpuOps, LlamaModel
 from app.model.loader import LoadedModel, read_tensors, write_cache_dir
@@ -189,6 +189,11 @@ def build_model(
         _int4_head(model, q8, fmt.torch_dtype, kernel=model.ops.fused, float_head=head)
         if held := group_layouts(model):
             log.info("group_matmul weights as held: %s", held)
+    if on_cpu and (arena := weight_arena.gather(model)) is not None:
+        log.info(
+            "weights: %d tensors, %.0f MB, in one block on %s",
+            arena.tensors, arena.nbytes / 1e6, arena.huge_pages,
+        )  # fmt: skip
     return BuiltModel(model, fmt, weight_bytes(model))
 
 
