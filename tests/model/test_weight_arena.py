@@ -110,3 +110,27 @@ def test_the_real_models_weights_are_in_one_block(smollm):
         elif inside and vma.startswith("THPeligible:"):
             eligible = vma.split()[1]
     assert eligible == "1"  # the kernel may back it with 2 MiB pages
+
+
+def test_an_os_without_huge_pages_still_gets_one_block(monkeypatch):
+    class NoAdvice:  # a kernel without transparent huge pages refuses the advice
+        def madvise(self, advice: int) -> None:
+            raise OSError(22, "Invalid argument")
+
+    assert weight_arena._ask_for_huge_pages(NoAdvice()) is False
+    monkeypatch.setattr(weight_arena, "_ask_for_huge_pages", lambda memory: False)
+    model = nn.Linear(256, 256)
+    x = torch.randn(2, 256)
+    want = model(x)
+    arena = weight_arena.gather(model)
+    assert arena.huge_pages.startswith("4 KiB pages")
+    assert in_arena(model.weight, arena)
+    assert torch.equal(model(x), want)
+
+
+def test_parley_weight_arena_0_leaves_the_weights_where_they_are(monkeypatch):
+    monkeypatch.setenv("PARLEY_WEIGHT_ARENA", "0")
+    model = nn.Linear(256, 256)
+    where = model.weight.data_ptr()
+    assert weight_arena.gather(model) is None
+    assert model.weight.data_ptr() == where
