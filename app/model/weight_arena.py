@@ -63,27 +63,27 @@ def gather(model: nn.Module) -> WeightArena | None:
         originals.setdefault(t.data_ptr(), t)
     if not originals:
         return None
-    sizes = [-(-t.nbytes // ALIGN) * ALIGN for t in originals.values()]
+    padded = lambda t: -(-t.nbytes // ALIGN) * ALIGN  # noqa: E731
     # A 2 MiB-aligned start within the mapping: a huge page needs an aligned virtual range.
-    memory = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    size = sum(map(padded, originals.values())) + HUGE_PAGE
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     asked = _ask_for_huge_pages(memory)
     block = torch.frombuffer(memory, dtype=torch.uint8)
     at = -block.data_ptr() % HUGE_PAGE
-    count, nbytes, untrimmed = len(originals), 0, 0
+    count, nbytes, trimmed_at = len(originals), 0, 0
     with torch.no_grad():
-        for (ptr, places), size in zip(held.items(), sizes, strict=True):
+        for ptr, places in held.items():
             t = originals.pop(ptr)
             raw = block[at : at + t.nbytes]
             raw.view(t.dtype).view(t.shape).copy_(t)
             nbytes += t.nbytes
-            untrimmed += t.nbytes
-            at += size
+            at += padded(t)
             del t
             for obj, name, dtype, shape in places:  # each holder sees it as it saw it
                 _set(obj, name, raw.view(dtype).view(shape))
-            if untrimmed >= TRIM_BYTES:  # the freed originals back to the OS as we go
+            if nbytes - trimmed_at >= TRIM_BYTES:  # the freed originals back to the OS
                 _return_freed_memory()
-                untrimmed = 0
+                trimmed_at = nbytes
     _return_freed_memory()
     arena = WeightArena(memory, nbytes, count, _pages(asked))
     model.weight_arena = arena

@@ -4,6 +4,7 @@ and the real model's weights land there, on huge pages where the OS gives them."
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from pathlib import Path
 
@@ -21,10 +22,12 @@ from tests.tiny import tiny_engine
 PROMPTS = [[5, 9, 13, 200, 17], [40, 41, 42], [7] * 20]
 
 
-def in_arena(t: torch.Tensor, arena: weight_arena.WeightArena) -> bool:
-    import ctypes
+def arena_start(arena: weight_arena.WeightArena) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(arena.memory))
 
-    start = ctypes.addressof(ctypes.c_char.from_buffer(arena.memory))
+
+def in_arena(t: torch.Tensor, arena: weight_arena.WeightArena) -> bool:
+    start = arena_start(arena)
     return start <= t.data_ptr() < start + len(arena.memory)
 
 
@@ -98,9 +101,7 @@ def test_the_real_models_weights_are_in_one_block(smollm):
     if not setting.exists() or "[never]" in setting.read_text():
         pytest.skip("transparent huge pages are off here: the block is on 4 KiB pages")
     assert "2 MiB pages" in arena.huge_pages
-    import ctypes
-
-    start = ctypes.addressof(ctypes.c_char.from_buffer(arena.memory))
+    start = arena_start(arena)
     eligible = None
     for vma in Path("/proc/self/smaps").read_text().split("\n")[:-1]:
         head = vma.split()[0] if vma else ""
