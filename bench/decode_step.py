@@ -39,6 +39,7 @@ MATMULS = (
     "parley::q4_matmul",
     "parley::block_matmul",
     "parley::group_matmul",
+    "parley::q8_matmul",  # a Q8_0 LM head with 8-bit activations (AVX-512 VNNI)
     "parley::decode_layers",  # a whole int4 decode step's layers: mostly its matmuls
     "parley::decode_layers_normed",  # the same for Qwen3 and Gemma 3 (families)
     "aten::_weight_int4pack_mm_for_cpu",

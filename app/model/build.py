@@ -52,6 +52,7 @@ from app.model.quant.kquants import (
     GroupWeight,
     TiledGroupWeight,
     group_matmul_available,
+    int8_head_fits,
 )
 from app.model.quant.q8_0 import BlockLinear, Q8Embedding, Q8Weight, block_matmul_available
 
@@ -235,7 +236,7 @@ def _int4_head(
             # The checkpoint's quantized head on group_matmul (bf16 dot products: x is bf16
             # already), tiled once; a tied embedding looks its rows up in the same bytes.
             tiled = TiledGroupWeight.tile(_as_group(head))
-            model.packed_lm_head = GroupLinear(tiled, fp32_out=True)
+            model.packed_lm_head = GroupLinear(tiled, fp32_out=True, int8_x=int8_head_fits(tiled))
         elif head is not None:
             # fp32 activations (no native bf16): block_matmul keeps them exact.
             model.packed_lm_head = BlockLinear(head)
@@ -260,6 +261,8 @@ def _int4_head(
         return "as stored" if isinstance(w, GroupWeight) else f"{dtype}"
 
     on = "Parley's group_matmul" if tiled is not None else "Parley's block_matmul"
+    if isinstance(model.packed_lm_head, GroupLinear) and model.packed_lm_head.int8_x:
+        on = f"Parley's q8_matmul (x as 8-bit codes; {torch.ops.parley.q8_path()})"
     log.info(
         "embedding: %s; LM head: %s",
         kind(embedding) if embedding is not None and kernel else f"{dtype}",

@@ -440,11 +440,16 @@ def test_an_avx2_build_computes_the_same(tmp_path):
             lin = GroupLinear(gw, fp32_out=True)
             assert (lin.tiled.scale.dtype == torch.float16) == (lo == -16)
             groups[lin.tiled.bits] = [lin(x), lin(x[:1])]
+        # A Q8_0 head with x as 8-bit codes: VNNI's vpdpbusd against the portable loop
+        q8_codes = torch.randint(-127, 128, (48, 576), generator=g).to(torch.int8)
+        q8_scales = torch.rand(48, 18, generator=g).half().float()
+        q8 = GroupLinear(GroupWeight(q8_codes, q8_scales, None, 32), fp32_out=True, int8_x=True)
         out = dict(norm=torch.ops.parley.rms_norm(x, w, 1e-5),
                    head=torch.ops.parley.block_matmul(x, codes, scales),
                    head_bf16=torch.ops.parley.block_matmul(x, codes.bfloat16(), None),
                    q4=torch.ops.parley.q4_matmul(x, q4.codes, q4.d, q4.m, torch.float32),
                    groups=groups,
+                   q8=[q8(x), q8(x[:1]), torch.ops.parley.q8_path()],
                    attn=torch.ops.parley.paged_decode(q, kc, vc, tables, torch.tensor([7, 600]),
                                                       0.125),
                    prompt=torch.ops.parley.paged_prefill(q.repeat(20, 1, 1), kc, vc, tables[0],
@@ -477,6 +482,12 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     for bits, (rows, row) in native["groups"].items():
         assert torch.equal(rows, avx2["groups"][bits][0]) and torch.equal(row, rows[:1])
         assert torch.equal(row, avx2["groups"][bits][1])
+    # q8_matmul's integer sums: vpdpbusd (AVX-512 VNNI) against the portable loop.
+    assert avx2["q8"][2].startswith("portable")
+    assert native["q8"][2].startswith("AVX-512 VNNI") == ("avx512_vnni" in cpu.cpu_flags())
+    assert torch.equal(native["q8"][0], avx2["q8"][0])
+    assert torch.equal(native["q8"][1], avx2["q8"][1])
+    assert torch.equal(native["q8"][1], native["q8"][0][:1])
 
 
 def test_the_layer_stack_in_one_call_equals_layer_by_layer(smollm, monkeypatch):

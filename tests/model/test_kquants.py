@@ -145,3 +145,67 @@ def test_a_row_has_the_same_bits_in_any_batch_on_any_thread_count(parley_kernels
         assert torch.equal(lin(x), whole)
     finally:
         torch.set_num_threads(threads)
+
+
+def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as q8_matmul quantizes it: per group of 32, s = max|x| / 127 (fp32) and
+    codes x / s rounded half to even: (codes [M, K / 32, 32] int64, s [M, K / 32] fp32)."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    s = xb.abs().amax(-1) / 127
+    inv = torch.where(s != 0, 1 / s, torch.zeros_like(s))
+    return torch.round(xb * inv[..., None]).clamp(-127, 127).long(), s
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 37])
+def test_q8_matmul_is_an_integer_dot_product_of_8_bit_activations(parley_kernels, m):
+    """parley.q8_matmul (a Q8_0 LM head where the CPU has AVX-512 VNNI): per group, the
+    integer dot product of the weight's codes and x's 8-bit codes, exact, times both
+    scales; within fp32 rounding of that sum, and the same bits for a row in any batch, on
+    any thread count."""
+    raw = random_blocks("Q8_0", 203, 640, seed=5)  # 203 rows: a ragged last tile
+    gw = from_gguf(raw, "Q8_0")
+    lin = GroupLinear(gw, fp32_out=True, int8_x=True)
+    assert lin.int8_x and "q8_matmul" in repr(lin)
+    x = torch.randn(m, 640, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x[0, :32] = 0  # a group of zeros: scale 0, no division by it
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (m, 203)
+    qx, s = q8_activations(x)
+    t = torch.einsum("mgk,ngk->mng", qx, gw.codes.long().view(203, -1, 32))  # exact integers
+    want = (t.double() * s.double()[:, None, :] * gw.scale.double()[None]).sum(-1)
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-4)
+    # Against the bf16 x of group_matmul: the same function of x, 8 bits of each group's
+    # largest value instead of 8 significant bits of each x.
+    exact = x.double() @ gw.dequantize().double().t()
+    assert torch.allclose(y.double(), exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
+    for i in range(0, m, 5):
+        assert torch.equal(lin(x[i : i + 1]), y[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_8_bit_activations_need_a_q8_0_head(parley_kernels):
+    with pytest.raises(ValueError, match="Q8_0"):
+        GroupLinear(from_gguf(random_blocks("Q4_K", 16, 256), "Q4_K"), fp32_out=True, int8_x=True)
+    with pytest.raises(ValueError, match="fp32"):
+        GroupLinear(from_gguf(random_blocks("Q8_0", 16, 256), "Q8_0"), int8_x=True)
+
+
+def test_int8_head_is_chosen_by_the_cpu_and_the_switch(parley_kernels, monkeypatch):
+    """A Q8_0 head takes 8-bit activations where the kernels were built with AVX-512 VNNI
+    (faked each way) unless PARLEY_INT8_HEAD=0; any other head never does."""
+    from app.model.quant import kquants
+
+    q8 = TiledGroupWeight.tile(from_gguf(random_blocks("Q8_0", 16, 256), "Q8_0"))
+    k4 = TiledGroupWeight.tile(from_gguf(random_blocks("Q4_K", 16, 256), "Q4_K"))
+    monkeypatch.setattr(kquants, "q8_native", lambda: True)
+    assert kquants.int8_head_fits(q8) and not kquants.int8_head_fits(k4)
+    monkeypatch.setenv("PARLEY_INT8_HEAD", "0")
+    assert not kquants.int8_head_fits(q8)
+    monkeypatch.delenv("PARLEY_INT8_HEAD")
+    monkeypatch.setattr(kquants, "q8_native", lambda: False)
+    assert not kquants.int8_head_fits(q8)

@@ -87,7 +87,7 @@ def test_the_default_model_serves_its_embedding_and_head_from_q8_0(smollm):
     from app.config import ModelConfig
     from app.model.build import build_model
     from app.model.gguf_file import iter_q8_weights, open_gguf
-    from app.model.quant.kquants import GroupEmbedding, GroupLinear
+    from app.model.quant.kquants import GroupEmbedding, GroupLinear, int8_head_fits
 
     built = build_model(smollm, ModelConfig(), "cpu", 512)
     model = built.model
@@ -97,6 +97,9 @@ def test_the_default_model_serves_its_embedding_and_head_from_q8_0(smollm):
     ids = torch.tensor([0, 17, 15, 49151, 300])
     if built.format.dtype == "bfloat16":
         assert isinstance(head, GroupLinear) and head.tiled.bits == 8
+        # x as 8-bit codes on q8_matmul where the kernels have AVX-512 VNNI
+        assert head.int8_x == int8_head_fits(head.tiled)
+        assert ("q8_matmul" in repr(head)) == head.int8_x
         assert isinstance(model.embed_tokens, GroupEmbedding)
         assert model.embed_tokens.gw is head.tiled  # one copy
         # The head reads the GGUF's bytes: its rows are the file's Q8_0 token embedding.

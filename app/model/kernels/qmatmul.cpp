@@ -874,6 +874,122 @@ void run_amx(const Operands<c10::Half, Out>& o, int64_t M, int64_t tiles) {
 }
 #endif
 
+// ---------------------------------------------------------------------------------------
+// q8_matmul: a Q8_0 weight (group_matmul's 8-bit tiles: groups of 32, fp16 scales, no
+// offsets) against x quantized the way llama.cpp quantizes a Q8_0 dot product's
+// activations: per row and group b of 32, s_b = max|x| / 127 and q = x / s_b rounded to the
+// nearest integer (half to even). Per output element, group by group in order:
+//
+//   t = sum over the group of q_w q_x        (integers: exact, in any order)
+//   acc = fma(d_b, float(t) * s_b, acc)
+//
+// The integer sums are exact however they are split, so the bits depend on the row alone,
+// for any M, thread count or build: the AVX-512 VNNI path (vpdpbusd, 64 multiply-adds an
+// instruction, the codes made unsigned by adding 128 and the sum corrected by 128 times
+// the group's sum of q_x) and the portable loop give the same. Against group_matmul's bf16
+// x (32 multiply-adds a vdpbf16ps, after the codes are converted to bf16): x keeps 8 bits
+// of its group's largest value instead of 8 significant bits of its own, which is what
+// llama-server's kernels run on the same file. Parley uses it for an LM head only
+// (app/model/quant/kquants.py, PARLEY_INT8_HEAD), where a head of 262,144 rows (Gemma 3)
+// is most of a step's arithmetic at 32 rows.
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr const char* kQ8Path = "AVX-512 VNNI (vpdpbusd)";
+constexpr bool kQ8Native = true;
+
+// Rows [0, MR) against one tile: codes (KB x 8 chunks of 64 bytes: bytes 32h + 2n + j of
+// chunk c are q(n, 4c + 2h + j)), scales d [KB][16]; xq (MR x K int8, lda apart), its s and
+// bias (KB apart); y 16 fp32 a row, ldy apart.
+// t += w . (the four int8 at p, in every lane): vpdpbusd with its operand broadcast from
+// memory ({1to16}), one instruction where the intrinsics give two (GCC loads the dword into
+// a register first).
+inline void dpbusd_broadcast(__m512i& t, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(t) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+
+template <int MR>
+inline void q8_tile(const uint8_t* codes, const c10::Half* d, int64_t KB, const int8_t* xq,
+                    int64_t lda, const float* s, const int32_t* bias, float* y, int64_t ldy,
+                    int64_t tile_bytes) {
+  // Words n and 16 + n of a chunk (row n's k pairs (4c, 4c + 1) and (4c + 2, 4c + 3)) side
+  // by side: dword n then holds row n's four codes in k order, vpdpbusd's operand.
+  alignas(64) static constexpr uint16_t kOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                      21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kOrder);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // q + 128, as unsigned
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    prefetch_group(codes, tile_bytes, 1, 1, b, 8 * 64);
+    __m512i w[8];
+    for (int c = 0; c < 8; ++c)
+      w[c] = _mm512_xor_si512(
+          _mm512_permutexvar_epi16(order, _mm512_loadu_si512(codes + (b * 8 + c) * 64)), flip);
+    const __m512 db =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kTile)));
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xr = xq + r * lda + b * kGroup;
+      // Two chains (their latency, not their sum, bounds one row): the integers add exactly.
+      __m512i t0 = _mm512_set1_epi32(bias[r * KB + b]), t1 = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        dpbusd_broadcast(t0, w[c], xr + 4 * c);
+        dpbusd_broadcast(t1, w[c + 1], xr + 4 * c + 4);
+      }
+      const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)),
+                                     _mm512_set1_ps(s[r * KB + b]));
+      acc[r] = _mm512_fmadd_ps(db, v, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+#else
+constexpr const char* kQ8Path = "portable C++ (integer sums)";
+constexpr bool kQ8Native = false;
+
+template <int MR>
+inline void q8_tile(const uint8_t* codes, const c10::Half* d, int64_t KB, const int8_t* xq,
+                    int64_t lda, const float* s, const int32_t*, float* y, int64_t ldy,
+                    int64_t) {
+  for (int r = 0; r < MR; ++r) {
+    float acc[kTile] = {};
+    for (int64_t b = 0; b < KB; ++b)
+      for (int n = 0; n < kTile; ++n) {
+        int32_t t = 0;
+        for (int64_t c = 0; c < 8; ++c)
+          for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 2; ++j) {
+              const int8_t w = static_cast<int8_t>(codes[(b * 8 + c) * 64 + 32 * h + 2 * n + j]);
+              t += w * xq[r * lda + b * kGroup + 4 * c + 2 * h + j];
+            }
+        const float v = static_cast<float>(t) * s[r * KB + b];
+        acc[n] = std::fma(static_cast<float>(d[b * kTile + n]), v, acc[n]);
+      }
+    std::memcpy(y + r * ldy, acc, sizeof acc);
+  }
+}
+#endif
+
+// A row of x (K floats) as q8_matmul's activations: codes, per-group scales, and -128 times
+// each group's sum of codes (what the unsigned codes of the VNNI path add too much).
+inline void quantize_q8_row(const float* x, int64_t K, int8_t* q, float* s, int32_t* bias) {
+  for (int64_t b = 0; b < K / kGroup; ++b) {
+    const float* xb = x + b * kGroup;
+    float amax = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float scale = amax / 127.f, inv = scale != 0.f ? 1.f / scale : 0.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const float v = std::clamp(std::nearbyint(xb[k] * inv), -127.f, 127.f);
+      q[b * kGroup + k] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    s[b] = scale;
+    bias[b] = -128 * sum;
+  }
+}
+
 std::string q4_path() { return amx_on() ? "AMX (tdpbf16ps)" : kPath; }
 std::string group_path() { return kPath; }  // group_matmul never runs on AMX's tiles
 
@@ -992,12 +1108,65 @@ at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   return st == at::kHalf ? go(scales.data_ptr<c10::Half>()) : go(scales.data_ptr<float>());
 }
 
+
+// q8_matmul (above): x (M, K) fp32 or bf16; codes uint8 (tiles, K / 4, 64), group_matmul's
+// 8-bit layout; scales fp16 (tiles, K / 32, 16). y (M, 16 tiles) fp32.
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2, "q8_matmul: x must be (M, K)");
+  const int64_t M = x.size(0), K = x.size(1), KB = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "q8_matmul: K must be a multiple of ", kGroup);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) == KB && scales.size(2) == kTile &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "q8_matmul: scales must be fp16 (tiles, K / 32, 16)");
+  const int64_t tiles = scales.size(0), tile_bytes = (K / 4) * 64;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.numel() == tiles * tile_bytes,
+              "q8_matmul: codes must be group_matmul's 8-bit layout for (N, K)");
+  auto y = at::empty({M, tiles * kTile}, x.options().dtype(at::kFloat));
+  if (M == 0 || tiles == 0) return y;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> s(M * KB);
+  std::vector<int32_t> bias(M * KB);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    quantize_q8_row(xp + r * K, K, xq.data() + r * K, s.data() + r * KB, bias.data() + r * KB);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const c10::Half* dp = scales.data_ptr<c10::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t N = tiles * kTile;
+  const auto rows = [&](auto mr, int64_t r, int64_t t) {
+    constexpr int MR = decltype(mr)::value;
+    q8_tile<MR>(cp + t * tile_bytes, dp + t * KB * kTile, KB, xq.data() + r * K, K,
+                s.data() + r * KB, bias.data() + r * KB, yp + r * N + t * kTile, N, tile_bytes);
+  };
+  // Threads split the tiles (a few an item for a small M, as run's split); a tile's rows go
+  // 16 at a time, then 8, 4, 2, 1, while its codes stay in L1.
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, M * KB));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t r = 0;
+      for (; r + 16 <= M; r += 16) rows(std::integral_constant<int, 16>{}, r, t);
+      if (r + 8 <= M) rows(std::integral_constant<int, 8>{}, r, t), r += 8;
+      if (r + 4 <= M) rows(std::integral_constant<int, 4>{}, r, t), r += 4;
+      if (r + 2 <= M) rows(std::integral_constant<int, 2>{}, r, t), r += 2;
+      if (r < M) rows(std::integral_constant<int, 1>{}, r, t);
+    }
+  });
+  return y;
+}
+
+std::string q8_path() { return kQ8Path; }
+bool q8_native() { return kQ8Native; }
 }  // namespace parley_kernels
 
 TORCH_LIBRARY_FRAGMENT(parley, m) {
   m.def("q4_matmul(Tensor x, Tensor codes, Tensor d, Tensor m, ScalarType? out_dtype) -> Tensor");
   m.def("q4_path() -> str", &q4_path);
   m.def("group_path() -> str", &group_path);
+  m.def("q8_path() -> str", &parley_kernels::q8_path);
+  m.def("q8_native() -> bool", &parley_kernels::q8_native);
+  m.def("q8_matmul(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("q4_amx(bool? enable=None) -> bool", &q4_amx);
   m.def(
       "group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group, int bits, "
@@ -1007,4 +1176,5 @@ TORCH_LIBRARY_FRAGMENT(parley, m) {
 TORCH_LIBRARY_IMPL(parley, CPU, m) {
   m.impl("q4_matmul", &parley_kernels::q4_matmul);
   m.impl("group_matmul", &parley_kernels::group_matmul);
+  m.impl("q8_matmul", &parley_kernels::q8_matmul);
 }

@@ -26,6 +26,7 @@ rows up in the same tiled bytes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -311,12 +312,31 @@ def group_matmul_available() -> bool:
     return hasattr(torch.ops, "parley") and hasattr(torch.ops.parley, "group_matmul")
 
 
+def int8_head_fits(w: TiledGroupWeight) -> bool:
+    """Whether an LM head held as `w` runs on `parley.q8_matmul` (x as 8-bit codes per
+    group of 32, integer dot products: qmatmul.cpp): a Q8_0 weight (8-bit codes, groups of
+    32, fp16 scales, no offsets), kernels built with AVX-512 VNNI (elsewhere the same bits
+    come from a portable loop, slower than group_matmul), and not PARLEY_INT8_HEAD=0."""
+    return (
+        os.environ.get("PARLEY_INT8_HEAD", "1") != "0"
+        and q8_native()
+        and (w.bits, w.group, w.offset, w.scale.dtype) == (8, 32, None, torch.float16)
+    )
+
+
+def q8_native() -> bool:
+    """Whether the loaded kernels run q8_matmul on AVX-512 VNNI (not its portable loop)."""
+    return group_matmul_available() and torch.ops.parley.q8_native()
+
+
 class GroupLinear(nn.Module):
     """y = x W^T + b, W a GroupWeight. On Parley's group_matmul where the kernels are
     loaded (x rounded to bf16, bf16 dot products accumulated in fp32 in a fixed order per
     element: a row's bits depend on nothing but its own x, on any CPU); elsewhere an fp32
     matmul over the dequantized weight (the same weights, more memory). The result comes
-    back in x's dtype, or fp32 with `fp32_out` (an LM head)."""
+    back in x's dtype, or fp32 with `fp32_out` (an LM head). `int8_x` (a Q8_0 LM head, see
+    int8_head_fits): on `parley.q8_matmul` instead, x as 8-bit codes per group of 32, the
+    activations llama.cpp's kernels give the same file; again a row's bits are its own."""
 
     def __init__(
         self,
@@ -324,6 +344,7 @@ class GroupLinear(nn.Module):
         bias: torch.Tensor | None = None,
         kernel: bool = True,
         fp32_out: bool = False,
+        int8_x: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -331,10 +352,18 @@ class GroupLinear(nn.Module):
         self.bias = bias
         self.fp32_out = fp32_out
         self.kernel = kernel and group_matmul_available()
+        self.int8_x = False
         if self.kernel:
             tiled = isinstance(weight, TiledGroupWeight)
             self.tiled = weight if tiled else TiledGroupWeight.tile(weight)
             self.weight_nbytes = self.tiled.nbytes
+            if int8_x:
+                w = self.tiled
+                if (w.bits, w.group, w.offset, w.scale.dtype) != (8, 32, None, torch.float16):
+                    raise ValueError("8-bit activations need a Q8_0 weight (parley.q8_matmul)")
+                if not fp32_out:
+                    raise ValueError("parley.q8_matmul gives fp32 (an LM head's logits)")
+                self.int8_x = True
         else:
             gw = weight if isinstance(weight, GroupWeight) else None
             if gw is None:
@@ -346,9 +375,12 @@ class GroupLinear(nn.Module):
         if self.kernel:
             w = self.tiled
             out = torch.float32 if self.fp32_out else x.dtype
-            y = torch.ops.parley.group_matmul(
-                x.contiguous(), w.codes, w.scale, w.offset, w.group, w.bits, w.base, out
-            )
+            if self.int8_x:
+                y = torch.ops.parley.q8_matmul(x.contiguous(), w.codes, w.scale)
+            else:
+                y = torch.ops.parley.group_matmul(
+                    x.contiguous(), w.codes, w.scale, w.offset, w.group, w.bits, w.base, out
+                )
             if y.shape[1] != self.out_features:  # rows padded to whole tiles
                 y = y[:, : self.out_features].contiguous()
         else:
@@ -361,6 +393,8 @@ class GroupLinear(nn.Module):
         on = "fp32 dequantized"
         if self.kernel:
             on = f"Parley's group_matmul ({self.tiled.bits}-bit codes)"
+            if self.int8_x:
+                on = "Parley's q8_matmul (8-bit codes, x as 8-bit codes)"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"groups of {self.group} on {on}"
