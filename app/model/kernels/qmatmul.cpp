@@ -170,8 +170,9 @@ inline float scale_value(const float* p, int i) { return p[i]; }
 // ---------------------------------------------------------------------------------------
 // The microkernels: rows [0, MR) of x (bf16, lda apart; their group sums xs, KB apart)
 // against NT consecutive tiles (tile_bytes and tile_scales apart); y gets 16 NT fp32 a row,
-// ldy apart. Several tiles at once for few rows: each output's sums are a chain of
-// dependent adds, and a decode's one row would otherwise wait on their latency.
+// ldy apart. Several tiles at once for a few rows: each output's sums are a chain of
+// dependent adds, which would otherwise wait on their latency (one row reading the codes
+// takes one tile at a time all the same: row_chunk says why).
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr const char* kPath = "AVX-512 BF16 (vdpbf16ps)";
@@ -546,7 +547,7 @@ void row_chunk(const Operands<S, Out>& o, const W& w, int64_t base, int64_t r, i
                int64_t end) {
   // One row reading the codes (a decode) takes one tile a call: its codes are then read as
   // one stream in order, each call prefetching the next tile's group, where eight tiles a
-  // call read eight interleaved streams. The default model's decode step 5.3-5.7 -> 4.4-4.5
+  // call read eight interleaved streams. The default model's decode step 5.6-6.1 -> 4.6-4.8
   // ms on AVX-512 BF16, the same bits (the split never changes an element's sums); with two
   // to four rows several tiles a call stay faster (four rows: 6.2 -> 6.9 ms with one).
   constexpr int NT = MR == 1 && kIsCodes<W> && kOneTileARow ? 1
