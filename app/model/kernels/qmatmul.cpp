@@ -1023,28 +1023,18 @@ inline void quantize_q8_row(const float* x, int64_t K, int8_t* q, float* s, int3
   }
 }
 
-// x (M x K floats, or bf16 words) quantized row by row, rows split across threads: xq
-// (M x K), s and bias (M x K / 32).
+// x (M x K floats) quantized row by row, rows split across threads: q (M x K), s and bias
+// (M x K / 32).
 struct Q8Activations {
   std::vector<int8_t> q;
   std::vector<float> s;
   std::vector<int32_t> bias;
-  template <typename X>
-  Q8Activations(const X* x, int64_t M, int64_t K)
+  Q8Activations(const float* x, int64_t M, int64_t K)
       : q(M * K), s(M * K / kGroup), bias(M * K / kGroup) {
     const int64_t KB = K / kGroup;
     at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-      std::vector<float> row(std::is_same_v<X, float> ? 0 : K);
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* xr;
-        if constexpr (std::is_same_v<X, float>) {
-          xr = x + r * K;
-        } else {
-          for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_float(x[r * K + k]);
-          xr = row.data();
-        }
-        quantize_q8_row(xr, K, q.data() + r * K, s.data() + r * KB, bias.data() + r * KB);
-      }
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_q8_row(x + r * K, K, q.data() + r * K, s.data() + r * KB, bias.data() + r * KB);
     });
   }
 };
