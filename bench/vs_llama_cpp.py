@@ -90,8 +90,8 @@ class Stream:
     @property
     def num_tokens(self) -> int:
         # Text pieces are not tokens: a detokenizer holds back a token that ends mid-word
-        # or mid-character and sends it with the next, so counting pieces ties a rate to
-        # the reply's text (two greedy replies of one server measured 78 and 122 "tok/s").
+        # or mid-character and sends it with the next, so counting pieces would tie a rate
+        # to the reply's text.
         return self.tokens if self.tokens is not None else len(self.stamps)
 
     @property
