@@ -128,6 +128,16 @@ def test_group_matmul_computes_x_w_t(parley_kernels, kind, dtype):
         assert torch.allclose(slow(x).double(), exact, rtol=1e-5, atol=1e-4)
 
 
+def on_one_thread(lin, x: torch.Tensor) -> torch.Tensor:
+    """lin(x) computed with torch's pool at one thread (restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return lin(x)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_0", "Q8_0"])
 def test_a_row_has_the_same_bits_in_any_batch_on_any_thread_count(parley_kernels, kind):
     raw = random_blocks(kind, 203, 512, seed=3)  # 203 rows: a ragged last tile
@@ -139,12 +149,7 @@ def test_a_row_has_the_same_bits_in_any_batch_on_any_thread_count(parley_kernels
     assert torch.equal(lin(x[3:20]), whole[3:20])
     assert torch.equal(lin(x[10:12]), whole[10:12])  # fewer rows than a tile: 2-row tiles
     assert torch.equal(lin(x[20:23]), whole[20:23])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(lin(x), whole)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(on_one_thread(lin, x), whole)
 
 
 def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,12 +185,7 @@ def test_q8_matmul_is_an_integer_dot_product_of_8_bit_activations(parley_kernels
     assert torch.allclose(y.double(), exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
     for i in range(0, m, 5):
         assert torch.equal(lin(x[i : i + 1]), y[i : i + 1])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(lin(x), y)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(on_one_thread(lin, x), y)
 
 
 def test_8_bit_activations_need_a_q8_0_head(parley_kernels):

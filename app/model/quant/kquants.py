@@ -275,6 +275,13 @@ class TiledGroupWeight:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.scale, self.offset) if t is not None)
 
+    @property
+    def is_q8_0(self) -> bool:
+        """Q8_0's form, parley.q8_matmul's operand: 8-bit codes in groups of 32, fp16
+        scales, no offsets."""
+        held = (self.bits, self.group, self.offset, self.scale.dtype)
+        return held == (8, 32, None, torch.float16)
+
     def row_codes(self, ids: torch.Tensor) -> torch.Tensor:
         """The integer codes of rows `ids` [T] -> int16 [T, K]."""
         tile, r = ids // TILE, ids % TILE
@@ -317,11 +324,7 @@ def int8_head_fits(w: TiledGroupWeight) -> bool:
     group of 32, integer dot products: qmatmul.cpp): a Q8_0 weight (8-bit codes, groups of
     32, fp16 scales, no offsets), kernels built with AVX-512 VNNI (elsewhere the same bits
     come from a portable loop, slower than group_matmul), and not PARLEY_INT8_HEAD=0."""
-    return (
-        os.environ.get("PARLEY_INT8_HEAD", "1") != "0"
-        and q8_native()
-        and (w.bits, w.group, w.offset, w.scale.dtype) == (8, 32, None, torch.float16)
-    )
+    return os.environ.get("PARLEY_INT8_HEAD", "1") != "0" and q8_native() and w.is_q8_0
 
 
 def q8_native() -> bool:
@@ -358,8 +361,7 @@ class GroupLinear(nn.Module):
             self.tiled = weight if tiled else TiledGroupWeight.tile(weight)
             self.weight_nbytes = self.tiled.nbytes
             if int8_x:
-                w = self.tiled
-                if (w.bits, w.group, w.offset, w.scale.dtype) != (8, 32, None, torch.float16):
+                if not self.tiled.is_q8_0:
                     raise ValueError("8-bit activations need a Q8_0 weight (parley.q8_matmul)")
                 if not fp32_out:
                     raise ValueError("parley.q8_matmul gives fp32 (an LM head's logits)")
