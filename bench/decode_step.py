@@ -62,13 +62,13 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model = ModelConfig(
         model=args.model, quantization=args.quantization, dtype=args.dtype,
         cpu_kernels=args.cpu_kernels,
     )  # fmt: skip
-    llm = LLM(config=EngineConfig(model=model, cache=CacheConfig(512 << 20)))
+    # --threads pins the count the engine steps with (else app.engine.threads chooses it)
+    config = EngineConfig(model=model, cache=CacheConfig(512 << 20), num_threads=args.threads)
+    llm = LLM(config=config)
     engine = llm.engine
     words = " ".join(["lighthouse"] * max(args.context - 20, 1))
     ids = llm.chat_prompt([{"role": "user", "content": f"Tell me a story. {words}"}])
