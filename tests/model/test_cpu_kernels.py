@@ -131,14 +131,20 @@ def test_paged_decode_against_float64_and_alone_as_batched(dtype, head_dim, atte
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 16])
+@pytest.mark.parametrize(
+    ("head_dim", "heads"), [(64, (9, 3)), (16, (9, 3)), (128, (8, 2)), (64, (10, 2))]
+)
 @pytest.mark.parametrize("block_size", [16, 7])
-def test_paged_prefill_gives_each_row_a_decodes_bits(dtype, head_dim, block_size, attention_path):
+def test_paged_prefill_gives_each_row_a_decodes_bits(
+    dtype, head_dim, heads, block_size, attention_path
+):
     """A prompt chunk's rows, each attending to the keys up to its position, equal decodes
     at those positions bit for bit: fresh prompts, chunks after a cached prefix (a long
-    one, a short follow-up, a single row), across the 512-key spans."""
+    one, a short follow-up, a single row), across the 512-key spans. Head sizes whose
+    decodes run on vectors (64, 128; with 3, 4 or 5 query heads a K/V head, which
+    paged_decode's weighted sum of V takes 4, 2 and 1 at a time) and one that does not (16)."""
     _amx_applies(attention_path, dtype, head_dim)
-    H, Hkv = 9, 3
+    H, Hkv = heads
     g = _gen(head_dim + block_size)
     blocks = 1400 // block_size + 2
     kc = torch.randn(blocks, block_size, Hkv, head_dim, generator=g).to(dtype)

@@ -366,49 +366,178 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 // attention does for a prompt. Decodes then agreed with prompt passes more often, but
 // greedy replies agreed with the fp32 reference less: 14 of 20 against 15.)
 
+#ifdef __AVX512F__
+// Sixteen dot_lanes trees at once: v[i] holds the 16 lane sums of dot product i (its
+// first loop in dot_lanes); the result's lane i is dot_lanes' sum for v[p(i)], with the
+// same pairs added at each level (lane l + lane l + 8, then + 4, + 2, + 1), so the bits
+// are dot_lanes'. Lane 4k + m ends up holding v[k + 4m]: callers put the vector for
+// output i at index kReduceSlot[i].
+constexpr int kReduceSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], u[4], t[2];
+  for (int i = 0; i < 8; ++i)  // lanes l + l + 8 of v[2i] | of v[2i + 1]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // + 4: a quad per vector, v[4i .. 4i + 3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // + 2, within each quad
+    t[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
+                       _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#elif defined(__AVX2__)
+// The same with AVX2, eight at a time: v[i] holds lane_sum's lanes l + l + 8 of dot product
+// i (its 16 lanes are two 8-wide registers, added first); then + 4, + 2, + 1 as in
+// lane_sum. Lane p ends up holding v[kReduceSlot8[p]]: callers put output i there.
+constexpr int kReduceSlot8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+inline __m256 reduce8(const __m256* v) {
+  __m256 u[4], t[2];
+  for (int i = 0; i < 4; ++i)  // + 4: a half per vector, v[2i] | v[2i + 1]
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // + 2, within each half
+    t[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
+                       _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 constexpr int64_t kSpan = 512;
 
 constexpr int64_t kMaxHeadDim = 256;
 
+#ifdef __AVX512F__
+// 16 elements of a K or V row widened to fp32 (widen_row's values).
+template <typename T>
+inline __m512 widen16(const T* p) {
+  alignas(64) float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = widen(p[i]);
+  return _mm512_load_ps(f);
+}
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// decode_span's weighted sum of V for query heads [g0, g0 + KG) and dims [16 c0, 16 (c0 +
+// KC)): the KG x KC sums stay in registers across the span's keys, each V row is loaded
+// once for all KG heads, and each sum is its own chain of fused multiply-adds in key order
+// (the portable loop's operations, so its bits).
+template <int KG, int KC, typename T>
+inline void weigh_values(const T* v_cache, const int64_t* offsets, int64_t n,
+                         const float* scores, int64_t g0, int64_t c0, int64_t D, float* acc) {
+  __m512 a[KG][KC];
+  for (int k = 0; k < KG; ++k)
+    for (int c = 0; c < KC; ++c) a[k][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* p = v_cache + offsets[j] + c0 * kLanes;
+    __m512 row[KC];
+    for (int c = 0; c < KC; ++c) row[c] = widen16(p + c * kLanes);
+    for (int k = 0; k < KG; ++k) {
+      const __m512 pj = _mm512_set1_ps(scores[(g0 + k) * n + j]);
+      for (int c = 0; c < KC; ++c) a[k][c] = _mm512_fmadd_ps(pj, row[c], a[k][c]);
+    }
+  }
+  for (int k = 0; k < KG; ++k)
+    for (int c = 0; c < KC; ++c) _mm512_storeu_ps(acc + (g0 + k) * D + (c0 + c) * kLanes, a[k][c]);
+}
+#endif
+
 // kD: the head size when known at compile time (the common 64, 128 and 256, whose loops
-// then vectorize whole), 0 for any other. Either gives the same bits.
+// vectorize whole), 0 for any other. Either gives the same bits.
+//
+// With AVX-512 and such a head size, the span's dot products and weighted sum run as
+// prefill_span runs a prompt's (the same operations in the same order, so the same bits):
+// with AVX-512 BF16, vdpbf16ps on the K rows as stored, 8 keys for two query heads at a
+// time reduced together (reduce16); V's sums in registers (weigh_values). Otherwise a key's
+// G dot products one by one (dot_lanes, lane_sum), and V's sums in memory.
 template <typename T, int64_t kD>
-void decode_span(const float* q /* G x D, widen_qk */, const T* k_cache, const T* v_cache,
+void decode_span(const float* q /* G x D, widen_qk */, const T* q_raw /* G x D as stored */,
+                 const T* k_cache, const T* v_cache,
                  const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t h,
                  int64_t first, int64_t last, int64_t G, int64_t head_dim, float scale,
                  float* scores, float* max_out, float* sum_out, float* acc /* G x D */) {
   const int64_t D = kD ? kD : head_dim;
   const int64_t n = last - first;
   float row[kMaxHeadDim];
-  // f(j, p) for each key first + j of the span, p its head-h row in `cache`: a block's rows
-  // are kv_heads * D apart, so the table is read once a block, not divided into per key.
-  const auto for_rows = [&](const T* cache, auto f) {
-    for (int64_t pos = first; pos < last;) {
-      const int64_t block = pos / block_size;
-      const int64_t stop = std::min(last, (block + 1) * block_size);
-      const T* p = cache + ((table[block] * block_size + pos % block_size) * kv_heads + h) * D;
-      if (stop < last) {  // the next block's rows, asked for while this block's are read
-        const T* next = cache + (table[block + 1] * block_size * kv_heads + h) * D;
-        for (int64_t r = 0; r < std::min(block_size, last - stop); ++r)
-          for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(next + r * kv_heads * D) + b);
-      }
-      for (; pos < stop; ++pos, p += kv_heads * D) f(pos - first, p);
-    }
+  // Each key's head-h row in either cache, as an offset: a block's rows are kv_heads * D
+  // apart, so the table is read once a block, not divided into per key.
+  int64_t offsets[kSpan];
+  for (int64_t pos = first; pos < last;) {
+    const int64_t block = pos / block_size;
+    const int64_t stop = std::min(last, (block + 1) * block_size);
+    int64_t at = ((table[block] * block_size + pos % block_size) * kv_heads + h) * D;
+    for (; pos < stop; ++pos, at += kv_heads * D) offsets[pos - first] = at;
+  }
+  // The row of key j + ahead, asked for while key j's is read.
+  const auto prefetch = [&](const T* cache, int64_t j, int64_t ahead) {
+    if (j + ahead < n)
+      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(cache + offsets[j + ahead]) + b);
   };
-  for_rows(k_cache, [&](int64_t j, const T* p) {
-    widen_qk(p, row, D);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-#ifdef __AVX512F__
-      if constexpr (kD > 0 && kD % kLanes == 0) {
-        scores[g * n + j] = dot_lanes<kD>(qg, row);
-        continue;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  if constexpr (kPairs<T> && kD > 0 && kD % 32 == 0) {
+    // prefill_span's vdpbf16ps blocks: keys j0 .. j0 + 7 (rows of zeros past the span's
+    // last), two query heads a block (a last one alone pairs with itself).
+    constexpr int64_t kP = kD / 32;
+    const uint16_t zeros[kD] = {};
+    const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
+    const auto* qr = reinterpret_cast<const uint16_t*>(q_raw);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const uint16_t* kr[8];
+      for (int i = 0; i < 8; ++i) {
+        kr[i] = j0 + i < n ? kc + offsets[j0 + i] : zeros;
+        prefetch(k_cache, j0 + i, 16);
       }
-#endif
-      scores[g * n + j] = lane_sum(D, [&](int64_t d) { return qg[d] * row[d]; });
+      const __mmask8 keep = n - j0 >= 8 ? 0xFF : (1u << (n - j0)) - 1;
+      for (int64_t v = 0; v < G; v += 2) {
+        const int64_t w = std::min(v + 1, G - 1);
+        __m512bh qa[kP], qb[kP];
+        for (int64_t c = 0; c < kP; ++c) {
+          qa[c] = (__m512bh)_mm512_loadu_si512(qr + v * kD + 32 * c);
+          qb[c] = (__m512bh)_mm512_loadu_si512(qr + w * kD + 32 * c);
+        }
+        __m512 lanes[16];
+        for (int i = 0; i < 8; ++i) {
+          __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kP; ++c) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kr[i] + 32 * c);
+            acc_a = _mm512_dpbf16_ps(acc_a, qa[c], k);
+            acc_b = _mm512_dpbf16_ps(acc_b, qb[c], k);
+          }
+          lanes[kReduceSlot[i]] = acc_a;
+          lanes[kReduceSlot[8 + i]] = acc_b;
+        }
+        const __m512 out = reduce16(lanes);
+        _mm256_mask_storeu_ps(scores + v * n + j0, keep, _mm512_castps512_ps256(out));
+        _mm256_mask_storeu_ps(scores + w * n + j0, keep,
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)));
+      }
     }
-  });
+  } else
+#endif
+  {
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch(k_cache, j, 16);
+      widen_qk(k_cache + offsets[j], row, D);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+#ifdef __AVX512F__
+        if constexpr (kD > 0 && kD % kLanes == 0) {
+          scores[g * n + j] = dot_lanes<kD>(qg, row);
+          continue;
+        }
+#endif
+        scores[g * n + j] = lane_sum(D, [&](int64_t d) { return qg[d] * row[d]; });
+      }
+    }
+  }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
     for (int64_t j = 0; j < n; ++j) sg[j] *= scale;  // after the sum, as prefill_span scales
@@ -417,17 +546,37 @@ void decode_span(const float* q /* G x D, widen_qk */, const T* k_cache, const T
     max_out[g] = m;
     sum_out[g] = lane_sum(n, [&](int64_t j) { return sg[j]; });
   }
-  std::fill(acc, acc + G * D, 0.f);
   // Each key's V added to the sums by a fused multiply-add (one rounding, one instruction),
   // key by key in order: prefill_span does the same for a prompt's rows.
-  for_rows(v_cache, [&](int64_t j, const T* p) {
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(p[d]);
+#ifdef __AVX512F__
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    constexpr int64_t kC = kD / kLanes, kCc = kC < 8 ? kC : 8, kG = kCc <= 4 ? 4 : 2;
+    for (int64_t c0 = 0; c0 < kC; c0 += kCc)
+      for (int64_t g0 = 0; g0 < G; g0 += kG) {
+        const int64_t heads = std::min(kG, G - g0);
+        if (heads == 4) {
+          if constexpr (kG == 4) weigh_values<4, kCc>(v_cache, offsets, n, scores, g0, c0, D, acc);
+        } else if (heads == 3) {
+          if constexpr (kG == 4) weigh_values<3, kCc>(v_cache, offsets, n, scores, g0, c0, D, acc);
+        } else if (heads == 2) {
+          weigh_values<2, kCc>(v_cache, offsets, n, scores, g0, c0, D, acc);
+        } else {
+          weigh_values<1, kCc>(v_cache, offsets, n, scores, g0, c0, D, acc);
+        }
+      }
+    return;
+  }
+#endif
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch(v_cache, j, 16);
+    widen_row(v_cache + offsets[j], row, D);
     for (int64_t g = 0; g < G; ++g) {
       const float pj = scores[g * n + j];
       float* a = acc + g * D;
       for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, row[d], a[d]);
     }
-  });
+  }
 }
 
 // One query head's output from its spans' pieces, combined in order by their log-sum-exp
@@ -778,7 +927,7 @@ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, const int
                            : D == 128 ? decode_span<T, 128>
                            : D == 256 ? decode_span<T, 256>
                                       : decode_span<T, 0>;
-      span_fn(qf.data(), k_cache, v_cache, tables + b * max_blocks, block_size, kv_heads, h,
+      span_fn(qf.data(), qb, k_cache, v_cache, tables + b * max_blocks, block_size, kv_heads, h,
               first, last, G, D, scale, scores.data(), st, st + G,
               partial.data() + it * G * D);
     }
@@ -874,50 +1023,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 // widening each span's K and V rows to fp32 once for all its rows' G query heads, then
 // combines each row's spans; what it keeps is bounded by its tile, whatever the context.
 // With AVX-512 (AVX2), a key block's 16 (8) dot products are reduced together (reduce16,
-// reduce8 below), with the same additions as dot_lanes (lane_sum) makes for each alone.
+// reduce8 above), with the same additions as dot_lanes (lane_sum) makes for each alone.
 
 constexpr int64_t kTileRows = 16, kMaxTileRows = 48;
-
-#ifdef __AVX512F__
-// Sixteen dot_lanes trees at once: v[i] holds the 16 lane sums of dot product i (its
-// first loop in dot_lanes); the result's lane i is dot_lanes' sum for v[p(i)], with the
-// same pairs added at each level (lane l + lane l + 8, then + 4, + 2, + 1), so the bits
-// are dot_lanes'. Lane 4k + m ends up holding v[k + 4m]: callers put the vector for
-// output i at index kReduceSlot[i].
-constexpr int kReduceSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-inline __m512 reduce16(const __m512* v) {
-  __m512 w[8], u[4], t[2];
-  for (int i = 0; i < 8; ++i)  // lanes l + l + 8 of v[2i] | of v[2i + 1]
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 4; ++i)  // + 4: a quad per vector, v[4i .. 4i + 3]
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int i = 0; i < 2; ++i)  // + 2, within each quad
-    t[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
-                       _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-#elif defined(__AVX2__)
-// The same with AVX2, eight at a time: v[i] holds lane_sum's lanes l + l + 8 of dot product
-// i (its 16 lanes are two 8-wide registers, added first); then + 4, + 2, + 1 as in
-// lane_sum. Lane p ends up holding v[kReduceSlot8[p]]: callers put output i there.
-constexpr int kReduceSlot8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-
-inline __m256 reduce8(const __m256* v) {
-  __m256 u[4], t[2];
-  for (int i = 0; i < 4; ++i)  // + 4: a half per vector, v[2i] | v[2i + 1]
-    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
-  for (int i = 0; i < 2; ++i)  // + 2, within each half
-    t[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
-                       _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-#endif
 
 // One item: rows [r0, r1) of the chunk (positions start + r), K/V head h, keys
 // [first, first + kSpan). For each row r and query head g: its span max, sum and G x D
