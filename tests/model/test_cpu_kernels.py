@@ -450,6 +450,10 @@ def test_an_avx2_build_computes_the_same(tmp_path):
         q8_codes = torch.randint(-127, 128, (48, 576), generator=g).to(torch.int8)
         q8_scales = torch.rand(48, 18, generator=g).half().float()
         q8 = GroupLinear(GroupWeight(q8_codes, q8_scales, None, 32), fp32_out=True, int8_x=True)
+        # Gemma's head size (4 query heads on one K/V head of 256) and fp32 K/V
+        kc256 = torch.randn(64, 16, 1, 256, generator=g).bfloat16()
+        vc256 = torch.randn(64, 16, 1, 256, generator=g).bfloat16()
+        q256 = torch.randn(2, 4, 256, generator=g).bfloat16()
         out = dict(norm=torch.ops.parley.rms_norm(x, w, 1e-5),
                    head=torch.ops.parley.block_matmul(x, codes, scales),
                    head_bf16=torch.ops.parley.block_matmul(x, codes.bfloat16(), None),
@@ -463,7 +467,12 @@ def test_an_avx2_build_computes_the_same(tmp_path):
                    window=torch.ops.parley.paged_decode(q, kc, vc, tables,
                                                         torch.tensor([7, 600]), 0.125, 100),
                    prompt_window=torch.ops.parley.paged_prefill(q.repeat(20, 1, 1), kc, vc,
-                                                                tables[0], 560, 0.125, 100))
+                                                                tables[0], 560, 0.125, 100),
+                   attn256=torch.ops.parley.paged_decode(q256, kc256, vc256, tables,
+                                                         torch.tensor([7, 600]), 0.0625),
+                   attn_fp32=torch.ops.parley.paged_decode(q.float(), kc.float(), vc.float(),
+                                                           tables, torch.tensor([7, 600]),
+                                                           0.125))
         torch.save(out, sys.argv[2])
         """
     )
@@ -478,6 +487,8 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     assert torch.equal(native["prompt"], avx2["prompt"])
     assert torch.equal(native["window"], avx2["window"])  # a sliding window's bounds too
     assert torch.equal(native["prompt_window"], avx2["prompt_window"])
+    assert torch.equal(native["attn256"], avx2["attn256"])  # two heads and 32 dims a pass
+    assert torch.equal(native["attn_fp32"], avx2["attn_fp32"])
     # The LM head: 16 lanes in AVX-512 registers, pairs of AVX2 ones, the same tree.
     assert torch.equal(native["head"], avx2["head"])
     assert torch.equal(native["head_bf16"], avx2["head_bf16"])

@@ -447,6 +447,38 @@ inline void weigh_values(const T* v_cache, const int64_t* offsets, int64_t n,
   for (int k = 0; k < KG; ++k)
     for (int c = 0; c < KC; ++c) _mm512_storeu_ps(acc + (g0 + k) * D + (c0 + c) * kLanes, a[k][c]);
 }
+#elif defined(__AVX2__)
+// The same with AVX2: 8 elements a register, dims [8 c0, 8 (c0 + KC)).
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+template <typename T>
+inline __m256 widen8(const T* p) {
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = widen(p[i]);
+  return _mm256_load_ps(f);
+}
+
+template <int KG, int KC, typename T>
+inline void weigh_values(const T* v_cache, const int64_t* offsets, int64_t n,
+                         const float* scores, int64_t g0, int64_t c0, int64_t D, float* acc) {
+  __m256 a[KG][KC];
+  for (int k = 0; k < KG; ++k)
+    for (int c = 0; c < KC; ++c) a[k][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* p = v_cache + offsets[j] + c0 * 8;
+    __m256 row[KC];
+    for (int c = 0; c < KC; ++c) row[c] = widen8(p + c * 8);
+    for (int k = 0; k < KG; ++k) {
+      const __m256 pj = _mm256_set1_ps(scores[(g0 + k) * n + j]);
+      for (int c = 0; c < KC; ++c) a[k][c] = _mm256_fmadd_ps(pj, row[c], a[k][c]);
+    }
+  }
+  for (int k = 0; k < KG; ++k)
+    for (int c = 0; c < KC; ++c) _mm256_storeu_ps(acc + (g0 + k) * D + (c0 + c) * 8, a[k][c]);
+}
 #endif
 
 // kD: the head size when known at compile time (the common 64, 128 and 256, whose loops
@@ -521,6 +553,39 @@ void decode_span(const float* q /* G x D, widen_qk */, const T* q_raw /* G x D a
       }
     }
   } else
+#elif defined(__AVX2__)
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    // prefill_span's AVX2 blocks: 8 keys widened, each query head's 8 dot products in
+    // lane_sum's 16 lanes (two registers, added first), then reduce8.
+    alignas(32) float kw[8][kD];
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const int64_t m = std::min<int64_t>(8, n - j0);
+      for (int64_t i = 0; i < 8; ++i) {
+        if (i < m) {
+          prefetch(k_cache, j0 + i, 16);
+          widen_qk(k_cache + offsets[j0 + i], kw[i], kD);
+        } else {
+          std::fill_n(kw[i], kD, 0.f);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qv = q + g * kD;
+        __m256 lanes[8];
+        for (int i = 0; i < 8; ++i) {
+          __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+          for (int64_t d = 0; d < kD; d += kLanes) {
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kw[i] + d)));
+            hi = _mm256_add_ps(
+                hi, _mm256_mul_ps(_mm256_loadu_ps(qv + d + 8), _mm256_loadu_ps(kw[i] + d + 8)));
+          }
+          lanes[kReduceSlot8[i]] = _mm256_add_ps(lo, hi);  // + 8
+        }
+        alignas(32) float out[8];
+        _mm256_store_ps(out, reduce8(lanes));
+        std::copy_n(out, m, scores + g * n + j0);
+      }
+    }
+  } else
 #endif
   {
     for (int64_t j = 0; j < n; ++j) {
@@ -563,6 +628,17 @@ void decode_span(const float* q /* G x D, widen_qk */, const T* q_raw /* G x D a
         } else {
           weigh_values<1, kCc>(v_cache, offsets, n, scores, g0, c0, D, acc);
         }
+      }
+    return;
+  }
+#elif defined(__AVX2__)
+  if constexpr (kD > 0 && kD % 32 == 0) {  // 32 dims and two heads a pass: 8 sums, 4 rows
+    for (int64_t c0 = 0; c0 < kD / 8; c0 += 4)
+      for (int64_t g0 = 0; g0 < G; g0 += 2) {
+        if (G - g0 >= 2)
+          weigh_values<2, 4>(v_cache, offsets, n, scores, g0, c0, D, acc);
+        else
+          weigh_values<1, 4>(v_cache, offsets, n, scores, g0, c0, D, acc);
       }
     return;
   }
