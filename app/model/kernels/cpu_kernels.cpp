@@ -407,6 +407,53 @@ inline __m256 reduce8(const __m256* v) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Scores of two query vectors a, b (bf16 rows of kD as stored) against 8 keys (K rows as
+// stored): vdpbf16ps, 32 products an instruction, in the order widen_qk's layout gives the
+// fp32 loops, then the 16 sums reduced together. Lanes 0-7: a's keys; 8-15: b's.
+template <int64_t kD>
+inline __m512 score_block_bf16(const uint16_t* a, const uint16_t* b, const uint16_t* const* keys) {
+  constexpr int64_t kP = kD / 32;
+  __m512bh qa[kP], qb[kP];
+  for (int64_t c = 0; c < kP; ++c) {
+    qa[c] = (__m512bh)_mm512_loadu_si512(a + 32 * c);
+    qb[c] = (__m512bh)_mm512_loadu_si512(b + 32 * c);
+  }
+  __m512 lanes[16];
+  for (int i = 0; i < 8; ++i) {
+    __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
+    for (int64_t c = 0; c < kP; ++c) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(keys[i] + 32 * c);
+      acc_a = _mm512_dpbf16_ps(acc_a, qa[c], k);
+      acc_b = _mm512_dpbf16_ps(acc_b, qb[c], k);
+    }
+    lanes[kReduceSlot[i]] = acc_a;
+    lanes[kReduceSlot[8 + i]] = acc_b;
+  }
+  return reduce16(lanes);
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// One query vector's scores (widened, kD floats) against 8 widened keys: lane_sum's 16
+// lanes as two registers (term d to lane d % 16, low or high half), added first, then
+// reduce8. Lane i: key i's.
+template <int64_t kD>
+inline __m256 score_block8(const float* q, const float* const* keys) {
+  __m256 lanes[8];
+  for (int i = 0; i < 8; ++i) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t d = 0; d < kD; d += kLanes) {
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(keys[i] + d)));
+      hi = _mm256_add_ps(hi,
+                         _mm256_mul_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(keys[i] + d + 8)));
+    }
+    lanes[kReduceSlot8[i]] = _mm256_add_ps(lo, hi);  // + 8
+  }
+  return reduce8(lanes);
+}
+#endif
+
 constexpr int64_t kSpan = 512;
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -517,7 +564,6 @@ void decode_span(const float* q /* G x D, widen_qk */, const T* q_raw /* G x D a
   if constexpr (kPairs<T> && kD > 0 && kD % 32 == 0) {
     // prefill_span's vdpbf16ps blocks: keys j0 .. j0 + 7 (rows of zeros past the span's
     // last), two query heads a block (a last one alone pairs with itself).
-    constexpr int64_t kP = kD / 32;
     const uint16_t zeros[kD] = {};
     const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
     const auto* qr = reinterpret_cast<const uint16_t*>(q_raw);
@@ -530,23 +576,7 @@ void decode_span(const float* q /* G x D, widen_qk */, const T* q_raw /* G x D a
       const __mmask8 keep = n - j0 >= 8 ? 0xFF : (1u << (n - j0)) - 1;
       for (int64_t v = 0; v < G; v += 2) {
         const int64_t w = std::min(v + 1, G - 1);
-        __m512bh qa[kP], qb[kP];
-        for (int64_t c = 0; c < kP; ++c) {
-          qa[c] = (__m512bh)_mm512_loadu_si512(qr + v * kD + 32 * c);
-          qb[c] = (__m512bh)_mm512_loadu_si512(qr + w * kD + 32 * c);
-        }
-        __m512 lanes[16];
-        for (int i = 0; i < 8; ++i) {
-          __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
-          for (int64_t c = 0; c < kP; ++c) {
-            const __m512bh k = (__m512bh)_mm512_loadu_si512(kr[i] + 32 * c);
-            acc_a = _mm512_dpbf16_ps(acc_a, qa[c], k);
-            acc_b = _mm512_dpbf16_ps(acc_b, qb[c], k);
-          }
-          lanes[kReduceSlot[i]] = acc_a;
-          lanes[kReduceSlot[8 + i]] = acc_b;
-        }
-        const __m512 out = reduce16(lanes);
+        const __m512 out = score_block_bf16<kD>(qr + v * kD, qr + w * kD, kr);
         _mm256_mask_storeu_ps(scores + v * n + j0, keep, _mm512_castps512_ps256(out));
         _mm256_mask_storeu_ps(scores + w * n + j0, keep,
                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)));
@@ -568,20 +598,10 @@ void decode_span(const float* q /* G x D, widen_qk */, const T* q_raw /* G x D a
           std::fill_n(kw[i], kD, 0.f);
         }
       }
+      const float* const rows[8] = {kw[0], kw[1], kw[2], kw[3], kw[4], kw[5], kw[6], kw[7]};
       for (int64_t g = 0; g < G; ++g) {
-        const float* qv = q + g * kD;
-        __m256 lanes[8];
-        for (int i = 0; i < 8; ++i) {
-          __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-          for (int64_t d = 0; d < kD; d += kLanes) {
-            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kw[i] + d)));
-            hi = _mm256_add_ps(
-                hi, _mm256_mul_ps(_mm256_loadu_ps(qv + d + 8), _mm256_loadu_ps(kw[i] + d + 8)));
-          }
-          lanes[kReduceSlot8[i]] = _mm256_add_ps(lo, hi);  // + 8
-        }
         alignas(32) float out[8];
-        _mm256_store_ps(out, reduce8(lanes));
+        _mm256_store_ps(out, score_block8<kD>(q + g * kD, rows));
         std::copy_n(out, m, scores + g * n + j0);
       }
     }
@@ -1162,32 +1182,16 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   if constexpr (kDot) {
     // As below, with vdpbf16ps on the rows as stored: 32 products an instruction, in the
     // order widen_qk's layout gives the fp32 loops.
-    constexpr int64_t kP = kD / 32;
     const auto q_of = [&](int64_t v) {
       return reinterpret_cast<const uint16_t*>(q + ((r0 + v / G) * H + h * G + v % G) * kD);
     };
     for (int64_t j0 = least; j0 < n; j0 += 8) {
+      const uint16_t* kr[8];
+      for (int i = 0; i < 8; ++i) kr[i] = kb + (j0 + i) * kD;
       for (int64_t v = 0; v < qvecs; v += 2) {
         const int64_t w = std::min(v + 1, qvecs - 1);
         if (j0 >= keys(r0 + w / G) || j0 + 8 <= lower(r0 + v / G)) continue;
-        __m512bh qa[kP], qb[kP];
-        for (int64_t c = 0; c < kP; ++c) {
-          qa[c] = (__m512bh)_mm512_loadu_si512(q_of(v) + 32 * c);
-          qb[c] = (__m512bh)_mm512_loadu_si512(q_of(w) + 32 * c);
-        }
-        __m512 lanes[16];
-        for (int i = 0; i < 8; ++i) {
-          const uint16_t* kr = kb + (j0 + i) * kD;
-          __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
-          for (int64_t c = 0; c < kP; ++c) {
-            const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
-            acc_a = _mm512_dpbf16_ps(acc_a, qa[c], k);
-            acc_b = _mm512_dpbf16_ps(acc_b, qb[c], k);
-          }
-          lanes[kReduceSlot[i]] = acc_a;
-          lanes[kReduceSlot[8 + i]] = acc_b;
-        }
-        const __m512 out = reduce16(lanes);
+        const __m512 out = score_block_bf16<kD>(q_of(v), q_of(w), kr);
         _mm256_storeu_ps(scores + v * kSpan + j0, _mm512_castps512_ps256(out));
         _mm256_storeu_ps(scores + w * kSpan + j0,
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)));
@@ -1228,23 +1232,13 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   } else
 #elif defined(__AVX2__)
   if constexpr (kD > 0 && kD % kLanes == 0) {
-    // lane_sum's 16 lanes as two registers: term d goes to lane d % 16, low or high half.
+    // One query vector at a time over a block of 8 keys (score_block8).
     for (int64_t j0 = least; j0 < n; j0 += 8) {
+      const float* kr[8];
+      for (int i = 0; i < 8; ++i) kr[i] = kf + (j0 + i) * kD;
       for (int64_t v = 0; v < qvecs; ++v) {
         if (j0 >= keys(r0 + v / G) || j0 + 8 <= lower(r0 + v / G)) continue;
-        const float* qv = qf + v * kD;
-        __m256 lanes[8];
-        for (int i = 0; i < 8; ++i) {
-          const float* kr = kf + (j0 + i) * kD;
-          __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-          for (int64_t d = 0; d < kD; d += kLanes) {
-            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kr + d)));
-            hi = _mm256_add_ps(
-                hi, _mm256_mul_ps(_mm256_loadu_ps(qv + d + 8), _mm256_loadu_ps(kr + d + 8)));
-          }
-          lanes[kReduceSlot8[i]] = _mm256_add_ps(lo, hi);  // + 8
-        }
-        _mm256_storeu_ps(scores + v * kSpan + j0, reduce8(lanes));
+        _mm256_storeu_ps(scores + v * kSpan + j0, score_block8<kD>(qf + v * kD, kr));
       }
     }
   } else
