@@ -531,11 +531,12 @@ inline void weigh_values(const T* v_cache, const int64_t* offsets, int64_t n,
 // kD: the head size when known at compile time (the common 64, 128 and 256, whose loops
 // vectorize whole), 0 for any other. Either gives the same bits.
 //
-// With AVX-512 and such a head size, the span's dot products and weighted sum run as
+// With vectors and such a head size, the span's dot products and weighted sum run as
 // prefill_span runs a prompt's (the same operations in the same order, so the same bits):
 // with AVX-512 BF16, vdpbf16ps on the K rows as stored, 8 keys for two query heads at a
-// time reduced together (reduce16); V's sums in registers (weigh_values). Otherwise a key's
-// G dot products one by one (dot_lanes, lane_sum), and V's sums in memory.
+// time (score_block_bf16); with AVX2, 8 widened keys a query head at a time
+// (score_block8); V's sums in registers (weigh_values). Otherwise (fp32 K/V on AVX-512, or
+// AVX-512 without BF16) a key's G dot products one by one (dot_lanes, lane_sum).
 template <typename T, int64_t kD>
 void decode_span(const float* q /* G x D, widen_qk */, const T* q_raw /* G x D as stored */,
                  const T* k_cache, const T* v_cache,
@@ -585,8 +586,7 @@ void decode_span(const float* q /* G x D, widen_qk */, const T* q_raw /* G x D a
   } else
 #elif defined(__AVX2__)
   if constexpr (kD > 0 && kD % kLanes == 0) {
-    // prefill_span's AVX2 blocks: 8 keys widened, each query head's 8 dot products in
-    // lane_sum's 16 lanes (two registers, added first), then reduce8.
+    // prefill_span's AVX2 blocks (score_block8): 8 keys widened, a query head at a time.
     alignas(32) float kw[8][kD];
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
       const int64_t m = std::min<int64_t>(8, n - j0);
