@@ -7,6 +7,7 @@ import threading
 
 from app.server.app import ServerConfig, create_app
 from tests.e2e.live_server import live_server
+from tests.e2e.page_util import wait_reply_done
 from tests.server.fake_engine import FakeEngine
 
 PROBE = """<!doctype html><title>probe</title><script>
@@ -69,9 +70,9 @@ def test_with_a_key_the_page_asks_once_and_works(browser, tokenizer):
         page.wait_for_selector("#connection[data-state=open]")
         page.fill("#input", "Hello")
         page.press("#input", "Enter")
-        page.wait_for_function(
-            "() => document.querySelector('.message.assistant .stats')?.innerText.length > 0"
-        )
+        # The reply shown and rendered (live stats show with its first token, before the
+        # Markdown comes back: waiting on them alone raced the bubble's text).
+        wait_reply_done(page)
         assert page.locator(".message.assistant .bubble").inner_text() == "keyed reply"
         context.close()
         # A browser without the cookie gets the form, and its WebSocket is refused.
