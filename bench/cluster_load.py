@@ -40,10 +40,11 @@ def replica_pids() -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process (not its children: Ray's actors are apart)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU time of one process (not its children: Ray's actors are apart)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def thread_seconds(pid: int) -> dict[str, float]:
@@ -65,7 +66,7 @@ def load(url: str, args, out: Path, kill_after: float | None = None, front: int 
     cmd = [sys.executable, str(ROOT / "bench" / "ws_load.py"), "--url",
            url.replace("http", "ws") + "/ws", "--users", str(args.users), "--turns",
            str(args.turns), "--think", "0", "--out", str(out), "--timeout", "1800"]  # fmt: skip
-    before = cpu_seconds(front) if front else 0.0
+    before = cpu_seconds(front) if front else (0.0, 0.0)
     threads_before = thread_seconds(front) if front else {}
     client = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     if kill_after is not None:
@@ -75,7 +76,9 @@ def load(url: str, args, out: Path, kill_after: float | None = None, front: int 
         os.kill(pids[0], signal.SIGKILL)
     client.wait()
     result = json.loads(out.read_text())["runs"]["reuse"]
-    result["front_cpu_s"] = cpu_seconds(front) - before if front else None
+    after = cpu_seconds(front) if front else None
+    result["front_cpu_s"] = sum(after) - sum(before) if after else None
+    result["front_system_s"] = after[1] - before[1] if after else None
     if front:
         after = thread_seconds(front)
         result["front_threads_s"] = {
@@ -93,7 +96,8 @@ def describe(kind: str, s: dict) -> None:
     if s["front_cpu_s"] is not None:
         tokens = s["output_tokens"]
         print(f"          the front process: {s['front_cpu_s']:.1f} s of CPU for {tokens} "
-              f"output tokens, {s['front_cpu_s'] / tokens * 1e6:.0f} us a token")  # fmt: skip
+              f"output tokens, {s['front_cpu_s'] / tokens * 1e6:.0f} us a token "
+              f"({s['front_system_s'] / tokens * 1e6:.0f} us of it in the kernel)")  # fmt: skip
         busiest = sorted(s["front_threads_s"].items(), key=lambda kv: -kv[1])[:4]
         print("          by thread: " + ", ".join(
             f"{name} {t / tokens * 1e6:.0f} us" for name, t in busiest if t > 0))  # fmt: skip
