@@ -97,6 +97,15 @@ FLAGS: list[tuple[str, dict]] = [
         ),
     ),
     (
+        "--stream-interval",
+        dict(
+            type=int,
+            default=EngineConfig.stream_interval,
+            help="tokens a streamed reply gathers before they are sent (1: each token; "
+            "more: less work per token under many streams; the first goes at once)",
+        ),
+    ),
+    (
         "--batching",
         dict(
             choices=("adaptive", "static"),
@@ -313,7 +322,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
               "--cuda-graphs", "--threads"),
     "engine": ("--kv-cache-size", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
                "--batching", "--itl-target-ms", "--session-ttl", "--max-waiting",
-               "--request-timeout"),
+               "--request-timeout", "--stream-interval"),
     "server": ("--host", "--port", "--max-turns-per-socket", "--max-connections",
                "--max-connections-per-client", "--max-turns-per-client", "--idle-timeout",
                "--resume-grace", "--otlp-endpoint", "--log-level"),
@@ -411,6 +420,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         num_threads=args.threads,
         cuda_graphs=flag_true(args.cuda_graphs),
+        stream_interval=args.stream_interval,
         tier=dataclasses.replace(args.kv_tier, ttl_s=args.kv_tier_ttl, store=tier_store(args)),
     )
 

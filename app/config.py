@@ -260,9 +260,18 @@ class EngineConfig:
     # Decode steps replayed as CUDA graphs, one per bucketed batch size (CUDA only).
     cuda_graphs: bool = True
     debug_checks: bool = False  # check_integrity() after every step
+    # Tokens a choice's output gathers before it is handed out (AsyncEngine): 1 streams
+    # every token as it is decoded; N > 1 hands out every N tokens, less work per token
+    # for whoever relays them (vLLM's and SGLang's --stream-interval). A choice's first
+    # output and its last go at once whatever N.
+    stream_interval: int = 1
     # "none" here: an engine built in code keeps no tier unless asked (tests stay
     # deterministic); the server's --kv-tier flag defaults to host memory.
     tier: TierConfig = field(default_factory=TierConfig)
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
 
 
 @dataclass(frozen=True)

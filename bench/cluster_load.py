@@ -5,6 +5,7 @@ and the front's ceiling with simulated replicas.
     python bench/cluster_load.py --users 8 --turns 4 --kill-after 20
     python bench/cluster_load.py --only replicas --kill-after 0    # the front's CPU alone
     python bench/cluster_load.py --simulate 8 --users 64 --turns 4  # the front's ceiling
+    python bench/cluster_load.py --only replicas --kill-after 0 --stream-interval 4
 
 Runs the same ws_load workload (greedy, 64-token replies, the whole history every turn)
 against `python -m app --replicas 2 --threads 1` and against `python -m app --threads 2`,
@@ -114,9 +115,13 @@ def main() -> None:
                     help="N simulated replicas (no model) instead of real ones")  # fmt: skip
     ap.add_argument("--steps-per-s", type=float, default=50.0, help="of a simulated replica")
     ap.add_argument("--root", type=Path, default=ROOT, help="run the server from this checkout")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the server's --stream-interval (tokens a frame)")  # fmt: skip
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     kinds = {"replicas": ["--replicas", "2", "--threads", "1"], "single": ["--threads", "2"]}
+    if args.stream_interval != 1:
+        kinds = {k: [*v, "--stream-interval", str(args.stream_interval)] for k, v in kinds.items()}
     if args.simulate:
         kinds = {"simulated": ["--replicas", str(args.simulate), "--threads", "1",
                                "--simulate-replicas", str(args.steps_per_s)]}  # fmt: skip

@@ -15,6 +15,8 @@ def test_environment_sets_defaults_and_flags_win(monkeypatch):
     assert args.port == 9002
     config = engine_config(args)
     assert config.cache.kv_cache_bytes == 256 << 20 and config.scheduler.max_num_seqs == 4
+    assert config.stream_interval == 1
+    assert engine_config(build_parser().parse_args(["--stream-interval", "4"])).stream_interval == 4
 
 
 @pytest.mark.parametrize(

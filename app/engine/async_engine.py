@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -54,6 +54,22 @@ INLINE_PROMPT_IDS = 32768
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    # With a stream interval: each choice's output not handed out yet, and the choices
+    # whose first output went (touched on the engine's thread only).
+    held: dict[int, RequestOutput] = field(default_factory=dict)
+    started: set[int] = field(default_factory=set)
+
+    def gather(self, out: RequestOutput, interval: int) -> RequestOutput | None:
+        """`out` with what its choice held back before it, once due (the choice's first
+        output, its last, or `interval` tokens); None while it is held back."""
+        held = self.held.pop(out.index, None)
+        if held is not None:
+            out = held.merge(out)
+        if out.finished or out.index not in self.started or len(out.new_token_ids) >= interval:
+            self.started.add(out.index)
+            return out
+        self.held[out.index] = out
+        return None
 
 
 # What the event loop's side asks of the engine's thread, applied between steps.
@@ -97,6 +113,7 @@ class AsyncEngine:
         self._malloc_trim = None
         self._next_trim = 0.0
         self._info = engine.info
+        self.stream_interval = engine.config.stream_interval
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -303,11 +320,15 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        interval = self.stream_interval
         with self._streams_lock:
             for o in outputs:
                 stream = self._streams.get(o.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, o))
+                if stream is None:
+                    continue
+                due = stream.gather(o, interval) if interval > 1 else o
+                if due is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, due))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop closed: nobody listens
                 loop.call_soon_threadsafe(_put_all, items)

@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine_request import EngineRequest
 from app.engine.errors import EngineDead
@@ -132,6 +133,35 @@ def test_slow_reader_gets_merged_outputs(aengine):
     outs = asyncio.run(main())
     assert sum(len(o.new_token_ids) for o in outs) == 20
     assert len(outs) < 20  # some outputs carried several tokens
+
+
+def test_stream_interval_hands_out_every_n_tokens(aengine):
+    """With a stream interval of 4, each choice's outputs carry 1 token (the first, at
+    once), then 4 at a time, then what is left with the last; the tokens are those of
+    the same request streamed token by token."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+
+    def by_choice(outs):
+        return {i: [o for o in outs if o.index == i] for i in (0, 1)}
+
+    each = by_choice(asyncio.run(collect(aengine, [5, 6, 7], params)))
+    aengine.stream_interval = 4
+    gathered = by_choice(asyncio.run(collect(aengine, [5, 6, 7], params)))
+    for i in (0, 1):
+        assert [len(o.new_token_ids) for o in each[i]] == [1] * 10
+        assert [len(o.new_token_ids) for o in gathered[i]] == [1, 4, 4, 1]
+        assert [t for o in gathered[i] for t in o.new_token_ids] == [
+            t for o in each[i] for t in o.new_token_ids
+        ]
+        assert "".join(o.new_text for o in gathered[i]) == "".join(o.new_text for o in each[i])
+        assert gathered[i][-1].finished and not any(o.finished for o in gathered[i][:-1])
+        assert gathered[i][-1].completion_tokens == 10
+    assert all_free(aengine.engine)
+
+
+def test_stream_interval_must_be_positive():
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
 
 
 def test_invalid_input_and_duplicate_ids(aengine):

@@ -107,6 +107,20 @@ def test_four_turns_reuse_the_previous_turn_and_match_uncached(smollm, uncached)
     assert not any(t.name == "parley-engine" for t in threading.enumerate())
 
 
+def test_stream_interval_sends_several_tokens_a_frame(smollm, uncached):
+    """--stream-interval 4: the first token frame at once, then frames of 4 tokens (the
+    last of what is left); the reply is the one sent token by token."""
+    engine, client = make(smollm)
+    engine.stream_interval = 4
+    with client, client.websocket_connect("/ws") as ws:
+        say(ws, "t0", "conv", [{"role": "user", "content": "Name a city."}], max_tokens=14)
+        frames = until_terminal(ws, ["t0"])["t0"]
+    tokens = [f for f in frames if f["type"] == "token"]
+    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 14
+    assert [f["completion_tokens"] for f in tokens] == [1, 5, 9, 13, 14]
+    assert text_of(frames) == uncached(engine.prompts[-1], 14)
+
+
 def test_two_conversations_per_socket_and_ten_sockets(smollm, uncached):
     engine, client = make(smollm)
     prompts = [f"Write one sentence about the number {n}." for n in range(12)]
