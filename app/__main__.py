@@ -608,6 +608,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        engine_config(args)  # its own checks, before anything loads: a bad value is one line
+    except ValueError as exc:
+        raise SystemExit(f"parley: {exc}") from None
     check_memory(args)
     if args.prompt is not None:
         generate_once(args)

@@ -19,6 +19,12 @@ def test_environment_sets_defaults_and_flags_win(monkeypatch):
     assert engine_config(build_parser().parse_args(["--stream-interval", "4"])).stream_interval == 4
 
 
+@pytest.mark.parametrize("flags", [["--stream-interval", "0"], ["--max-num-seqs", "0"]])
+def test_bad_engine_values_are_one_line_before_anything_loads(flags):
+    with pytest.raises(SystemExit, match=r"^parley: .* must be at least 1"):
+        main(flags)
+
+
 @pytest.mark.parametrize(
     ("text", "size"),
     [("1024", 1024), ("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5GB", 1_500_000_000)],
