@@ -94,6 +94,10 @@ def describe(kind: str, s: dict) -> None:
           f"{s['output_tok_s']:.1f} tok/s, reused {s['cached_tokens']}/{s['prompt_tokens']} "
           f"prompt tokens, inter-token p50 {itl['p50'] * 1e3:.1f} ms p90 "
           f"{itl['p90'] * 1e3:.1f} ms, errors {s['errors'] or 'none'}")  # fmt: skip
+    frames = s["frame_gap_s"]
+    if frames != itl:  # several tokens a frame (--stream-interval)
+        print(f"          between frames p50 {frames['p50'] * 1e3:.1f} ms "
+              f"p90 {frames['p90'] * 1e3:.1f} ms")  # fmt: skip
     if s["front_cpu_s"] is not None:
         tokens = s["output_tokens"]
         print(f"          the front process: {s['front_cpu_s']:.1f} s of CPU for {tokens} "

@@ -100,7 +100,10 @@ class Turn:
     completion_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    # A frame's gap since the previous one, split evenly over the tokens it carries (one
+    # a frame unless the server gathers them: --stream-interval); frame_gap_s unsplit.
     itl_s: list[float] = field(default_factory=list)
+    frame_gap_s: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     reply: str = ""
@@ -169,6 +172,7 @@ async def receive_turn(ws, turn: Turn, rec: Recorder, turn_id: str | None = None
     """Frames of one turn until its done or error (frames of other turns are skipped)."""
     parts: list[str] = []
     last = None
+    tokens_seen = 0
     while True:
         f = json.loads(await ws.recv())
         now = time.monotonic()
@@ -178,10 +182,14 @@ async def receive_turn(ws, turn: Turn, rec: Recorder, turn_id: str | None = None
             turn.prompt_tokens, turn.cached_tokens = f["prompt_tokens"], f["cached_tokens"]
             turn.tier_cached_tokens = f.get("tier_cached_tokens", 0)
         elif f.get("type") == "token":
+            count = f.get("completion_tokens")
+            carried = 1 if count is None else max(count - tokens_seen, 1)
+            tokens_seen = count if count is not None else tokens_seen + 1
             if turn.ttft_s is None:
                 turn.ttft_s = now - turn.sent_at
             elif last is not None:
-                turn.itl_s.append(now - last)
+                turn.itl_s += [(now - last) / carried] * carried
+                turn.frame_gap_s.append(now - last)
             last = now
             parts.append(f["text"])
         elif f.get("type") == "done":
@@ -275,6 +283,7 @@ def summarize(rec: Recorder, wall: float) -> dict:
         "tier_cached_tokens": sum(t.tier_cached_tokens for t in ok),
         "ttft_s": percentiles([t.ttft_s for t in ok if t.ttft_s is not None]),
         "itl_s": percentiles([g for t in ok for g in t.itl_s]),
+        "frame_gap_s": percentiles([g for t in ok for g in t.frame_gap_s]),
         "e2e_s": percentiles([t.e2e_s for t in ok if t.e2e_s is not None]),
         "ttft_p50_by_turn": {i: statistics.median(v) for i, v in sorted(by_index.items())},
         "records": [asdict(t) for t in rec.turns],
@@ -293,7 +302,10 @@ def report(name: str, s: dict) -> None:
     print(f"   prompt tokens {s['prompt_tokens']}, reused from cache {s['cached_tokens']} "
           f"({reused:.0%})")  # fmt: skip
     print("   latency (ms)      p50      p90      p99")
-    for key, label in (("ttft_s", "TTFT"), ("itl_s", "inter-token"), ("e2e_s", "end-to-end")):
+    rows = [("ttft_s", "TTFT"), ("itl_s", "inter-token"), ("e2e_s", "end-to-end")]
+    if s["frame_gap_s"] != s["itl_s"]:  # frames of several tokens: how often one comes
+        rows.insert(2, ("frame_gap_s", "inter-frame"))
+    for key, label in rows:
         p = s[key]
         print(f"   {label:12s} {ms(p['p50'])} {ms(p['p90'])} {ms(p['p99'])}")
     print("   TTFT p50 by turn: " + ", ".join(

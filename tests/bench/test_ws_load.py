@@ -28,6 +28,7 @@ def generation_tokens(url: str) -> float:
 def server(tokenizer):
     engine = AsyncEngine(tiny_engine(tokenizer, num_blocks=2048, max_num_seqs=16))
     with live_server(create_app(engine=engine)) as s:
+        s.engine = engine
         yield s
 
 
@@ -56,6 +57,18 @@ def test_every_turn_is_accounted_for_and_matches_the_metrics(server, tmp_path):
     assert all(r["cached_tokens"] > 0 for r in later)
     assert plain["cached_tokens"] == 0  # cache: false computes every prompt token
     assert set(result["comparison"]) >= {"total_time_ratio", "last_turn_ttft_speedup"}
+
+
+def test_gaps_are_per_token_when_frames_carry_several(server, tmp_path):
+    """A server that sends 4 tokens a frame (--stream-interval 4): the inter-token gaps
+    split each frame's gap over its tokens; the frames' own gaps are kept beside them."""
+    server.engine.stream_interval = 4
+    result = load(server, tmp_path, "--users", "2", "--turns", "2")
+    records = result["runs"]["reuse"]["records"]
+    for r in records:
+        assert r["completion_tokens"] == 8 and len(r["frame_gap_s"]) <= 2
+        assert sum(r["itl_s"]) == pytest.approx(sum(r["frame_gap_s"]))
+    assert any(len(r["itl_s"]) > len(r["frame_gap_s"]) for r in records)
 
 
 def test_duration_and_open_loop_stop_by_themselves(server, tmp_path):
