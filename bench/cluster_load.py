@@ -63,6 +63,14 @@ def thread_seconds(pid: int) -> dict[str, float]:
     return by_name
 
 
+def idle_cpu(pid: int, seconds: float = 5.0) -> float:
+    """CPU seconds a second the process uses with nothing to serve (Ray's threads, the
+    heartbeats, timers): what it costs whatever the load."""
+    before = sum(cpu_seconds(pid))
+    time.sleep(seconds)
+    return (sum(cpu_seconds(pid)) - before) / seconds
+
+
 def load(url: str, args, out: Path, kill_after: float | None = None, front: int = 0) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "ws_load.py"), "--url",
            url.replace("http", "ws") + "/ws", "--users", str(args.users), "--turns",
@@ -103,6 +111,10 @@ def describe(kind: str, s: dict) -> None:
         print(f"          the front process: {s['front_cpu_s']:.1f} s of CPU for {tokens} "
               f"output tokens, {s['front_cpu_s'] / tokens * 1e6:.0f} us a token "
               f"({s['front_system_s'] / tokens * 1e6:.0f} us of it in the kernel)")  # fmt: skip
+        idle = s.get("front_idle_cpu")
+        if idle is not None:
+            print(f"          idle, the front uses {idle * 1e3:.1f} ms of CPU a second: "
+                  f"{idle * s['wall_s'] / tokens * 1e6:.0f} us a token of this run")  # fmt: skip
         busiest = sorted(s["front_threads_s"].items(), key=lambda kv: -kv[1])[:4]
         print("          by thread: " + ", ".join(
             f"{name} {t / tokens * 1e6:.0f} us" for name, t in busiest if t > 0))  # fmt: skip
@@ -137,7 +149,9 @@ def main() -> None:
         for kind, flags in kinds.items() if r % 2 == 0 else reversed(kinds.items()):
             proc, url = start(flags, root=args.root)
             try:
+                idle = idle_cpu(proc.pid)
                 runs[kind].append(load(url, args, tmp / f"{kind}-{r}.json", front=proc.pid))
+                runs[kind][-1]["front_idle_cpu"] = idle
             finally:
                 stop(proc)
     for kind, results in runs.items():
