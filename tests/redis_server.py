@@ -10,6 +10,7 @@ so that a missing redis-server fails instead of skipping.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,9 +25,36 @@ REDIS_SERVER = "redis-server"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range.
+
+    Servers here restart on the port they had (Redis after a kill, the fault suite's
+    app servers), and while one is down the kernel may hand its port to any outgoing
+    connection as the local end when it lies in the ephemeral range: the restart then
+    fails with EADDRINUSE (SO_REUSEADDR does not help against a connected socket). A
+    port below that range is never chosen by connect()."""
+    low = ephemeral_range()[0]
+    if low < 4096:  # no room below the range: any free port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low}")
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def redis_or_skip() -> str:
