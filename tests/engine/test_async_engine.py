@@ -9,7 +9,7 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.engine_request import EngineRequest
 from app.engine.errors import EngineDead
 from app.engine.request import SamplingParams
-from tests.engine.util import all_free
+from tests.engine.util import all_free, held_back_by
 from tests.tiny import tiny_engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -148,8 +148,12 @@ def test_stream_interval_hands_out_every_n_tokens(aengine):
     aengine.stream_interval = 4
     gathered = by_choice(asyncio.run(collect(aengine, [5, 6, 7], params)))
     for i in (0, 1):
-        assert [len(o.new_token_ids) for o in each[i]] == [1] * 10
-        assert [len(o.new_token_ids) for o in gathered[i]] == [1, 4, 4, 1]
+        # [1] * 10 and [1, 4, 4, 1], where the reader kept up (a busy machine may merge
+        # neighbours: AsyncEngine folds what a slow reader left queued)
+        assert held_back_by([len(o.new_token_ids) for o in each[i]], 1, 10)
+        sizes = [len(o.new_token_ids) for o in gathered[i]]
+        assert held_back_by(sizes, 4, 10), sizes
+        assert not held_back_by([1] * 10, 4, 10) and held_back_by([1, 8, 1], 4, 10)
         assert [t for o in gathered[i] for t in o.new_token_ids] == [
             t for o in each[i] for t in o.new_token_ids
         ]

@@ -51,3 +51,19 @@ def run(
 def all_free(engine: LLMEngine) -> bool:
     pool = engine.kv.pool
     return pool.num_free_blocks == pool.num_blocks
+
+
+def held_back_by(sizes: list[int], interval: int, total: int) -> bool:
+    """Whether outputs carrying `sizes` tokens are a stream of `total` tokens held back to
+    `interval` at a time (the first alone, then `interval` each, the rest with the last),
+    where a reader that fell behind may have had neighbours merged into one."""
+    if sum(sizes) != total or any(s <= 0 for s in sizes):
+        return False
+    if len(sizes) == 1:
+        return True
+    tail = (total - 1) % interval or interval  # the last output's own tokens
+    return (
+        sizes[0] % interval == 1 % interval
+        and all(s % interval == 0 for s in sizes[1:-1])
+        and (sizes[-1] - tail) % interval == 0
+    )
