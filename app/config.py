@@ -102,6 +102,9 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     session_ttl_s: float = 1800.0  # an idle conversation's pinned K/V is let go after this
+    # Local (sliding-window) layers give back the K/V memory of blocks behind their window
+    # (on the CPU; KVCache.release_local). False keeps it, as a reference to test against.
+    release_out_of_window: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -20,12 +20,15 @@ NULL_BLOCK = 0
 class Block:
     """One block of `block_size` token slots in every layer's K and V."""
 
-    __slots__ = ("block_hash", "block_id", "ref_count")
+    __slots__ = ("block_hash", "block_id", "ref_count", "windowed")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: bytes | None = None  # set once the block is full and computed
+        # Its K/V in the local (sliding-window) layers was given back: only a query more
+        # than a window after it may use it (KVCacheManager.release_behind_window).
+        self.windowed = False
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -48,6 +51,7 @@ class BlockPool:
         # these are blocks 1..num_touched: the part of the K/V memory ever written (the
         # pool's pages become resident on first write; see kv_cache).
         self.num_touched = 0
+        self.num_windowed = 0  # blocks whose local layers' K/V was given back
 
     @property
     def num_blocks(self) -> int:
@@ -80,6 +84,9 @@ class BlockPool:
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 block.block_hash = None
+            if block.windowed:  # its new holder writes every layer afresh
+                block.windowed = False
+                self.num_windowed -= 1
             block.ref_count = 1
             self.num_touched = max(self.num_touched, block.block_id)
             out.append(block)
@@ -110,14 +117,25 @@ class BlockPool:
     def cache_block(self, block: Block, block_hash: bytes) -> bool:
         """Register a full, computed block under its hash. Returns False when another
         block already holds the same content (two requests computed it at once): the
-        first stays the cached one."""
+        first stays the cached one, unless it is windowed, when the whole copy takes
+        its name (a later prompt that ends there can use it)."""
         if block.block_hash is not None:
             return block.block_hash == block_hash
-        if block_hash in self._cached:
-            return False
+        known = self._cached.get(block_hash)
+        if known is not None:
+            if not known.windowed or block.windowed:
+                return False
+            known.block_hash = None
         block.block_hash = block_hash
         self._cached[block_hash] = block
         return True
+
+    def mark_windowed(self, blocks: Iterable[Block]) -> None:
+        """These blocks' local-layer K/V was given back."""
+        for block in blocks:
+            if not block.windowed:
+                block.windowed = True
+                self.num_windowed += 1
 
     def cached_hashes(self, limit: int) -> list[bytes]:
         """The hashes of at most `limit` findable blocks, the most recently cached last
@@ -156,5 +174,7 @@ class BlockPool:
                     f"{holders.get(block.block_id, 0)} holders"
                 )
         assert used + len(self._free) == self.num_blocks, "free + used != total"
+        windowed = sum(b.windowed for b in self.blocks)
+        assert windowed == self.num_windowed, f"{windowed} windowed, {self.num_windowed} counted"
         for h, block in self._cached.items():
             assert block.block_hash == h, f"hash map entry points to {block}"

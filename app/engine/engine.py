@@ -84,11 +84,17 @@ class LLMEngine:
             loaded.weights = {}
         self.kv_cache = KVCache(loaded.arch, config.cache, dtype, self.device)
         self.offload = open_offload(config.tier, self.kv_cache, fingerprint)
+        release = None
+        if config.cache.release_out_of_window and self.kv_cache.can_release:
+            release = self.kv_cache.release_local
+            self.kv_cache.poison_released = config.debug_checks
         self.kv = KVCacheManager(
             BlockPool(self.kv_cache.num_blocks),
             config.cache.block_size,
             config.cache.enable_prefix_caching,
             self.offload,
+            window=self.kv_cache.local_window,
+            release=release,
         )
         self.scheduler = Scheduler(
             config.scheduler,

@@ -7,6 +7,13 @@ once and its size is exactly what was asked for (rounded down to whole blocks).
 
 Measured and rejected: K and V of a token side by side in one tensor (one gather instead
 of two) made a 32-sequence decode step ~15% slower end to end on 2 CPU cores.
+
+Local layers (Gemma 3's sliding window) never read a key that fell out of their window.
+On the CPU, `release_local` gives those blocks' memory in the local layers back to the
+operating system (the pages of a shared anonymous map, punched out with MADV_REMOVE): a
+long conversation then keeps resident the K/V its global layers need and one window's
+worth in the others, as vLLM's hybrid allocator keeps, though its blocks still count in
+the pool (KVCacheManager marks them `windowed`).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -48,8 +56,41 @@ class KVCache:
         # Zeros, not empty: padded block tables read the null block, and masked garbage
         # could be NaN, which survives a zero attention weight (0 * NaN = NaN).
         shape = (arch.num_layers, 2, self.num_blocks, cfg.block_size, arch.num_kv_heads)
-        self.tensor = _zeros((*shape, arch.head_dim), dtype, torch.device(device))
+        self.tensor, self._memory = _zeros((*shape, arch.head_dim), dtype, torch.device(device))
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
+        windows = {arch.layer_window(i) for i in range(arch.num_layers)} - {None}
+        # The local layers and their window (one size for all of them, as in Gemma 3).
+        self.local_window: int | None = min(windows) if windows else None
+        self.local_layers = [i for i in range(arch.num_layers) if arch.layer_window(i)]
+        self.poison_released = False  # debug checks: released K/V reads as garbage, not 0
+
+    @property
+    def can_release(self) -> bool:
+        """Whether release_local gives memory back (local layers, on the CPU)."""
+        return self._memory is not None and bool(self.local_layers)
+
+    def release_local(self, block_ids: Iterable[int]) -> None:
+        """Give back the memory these blocks hold in the local layers: none of those layers
+        will read it again (its keys fell out of their window). It reads as zeros after,
+        or, under `poison_released`, as a value far from any K/V, so that a kernel that
+        read it anyway would change its output."""
+        ids = sorted(set(block_ids))
+        if not ids or not self.can_release:
+            return
+        assert self._memory is not None
+        per = self.bytes_per_block // (2 * self.arch.num_layers)  # one layer's K or V
+        page = mmap.PAGESIZE
+        for first, last in _runs(ids):
+            for layer in self.local_layers:
+                for kv in (0, 1):
+                    if self.poison_released:
+                        self.tensor[layer, kv, first : last + 1].fill_(1e4)
+                        continue
+                    base = (layer * 2 + kv) * self.num_blocks * per
+                    start = -(-(base + first * per) // page) * page  # whole pages inside
+                    end = (base + (last + 1) * per) // page * page
+                    if end > start:
+                        self._memory.madvise(mmap.MADV_REMOVE, start, end - start)
 
     @property
     def nbytes(self) -> int:
@@ -68,13 +109,26 @@ class KVCache:
         self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On the CPU it lies in an anonymous memory map, whose pages the
-    kernel gives out (as zeros) only when first written: the pool becomes resident as it
-    fills, not at start. (`torch.zeros` writes every page at once: a laptop chatting in one
-    tab held the whole default 1 GiB.)"""
+def _runs(ids: list[int]) -> Iterable[tuple[int, int]]:
+    """(first, last) of each run of consecutive ids in sorted `ids`."""
+    first = prev = ids[0]
+    for i in ids[1:]:
+        if i != prev + 1:
+            yield first, prev
+            first = i
+        prev = i
+    yield first, prev
+
+
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A zeroed tensor, and on the CPU the memory map it lies in: an anonymous one, whose
+    pages the kernel gives out (as zeros) only when first written, so that the pool becomes
+    resident as it fills, not at start. (`torch.zeros` writes every page at once: a laptop
+    chatting in one tab held the whole default 1 GiB.)"""
     if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device), None
     count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     # Checked now: a pool that cannot fit would otherwise fail only once it fills, in the
@@ -86,7 +140,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     # chat not measurably (bench/README.md), and the pool would become resident 2 MiB a
     # layer's K or V at a time.)
     memory = mmap.mmap(-1, max(nbytes, 1))
-    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape), memory
 
 
 def check_fits(nbytes: int, what: str | None = None) -> None:

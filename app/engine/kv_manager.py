@@ -11,6 +11,14 @@
 
 A new request starts with whichever covers more.
 
+Local layers (a sliding window, as in Gemma 3) read only the keys of the last `window`
+positions. A block that fell out of its holder's window, and that nobody else holds, gives
+its K/V in those layers back (`release`, KVCache.release_local) and is marked windowed;
+it stays in the table and in the prefix cache for the global layers. A computed prefix is
+then usable only up to a point whose last window of positions is whole
+(`_whole_window`): a conversation's next turn, which goes on from its end, loses nothing;
+a prompt that shares only the beginning of a long one computes it again.
+
 Choices of one prompt (n > 1) share its blocks by reference count (fork). A block that is
 shared and only partly filled is copied when a holder first writes into it (copy on
 write): allocate_slots gives the writer a fresh block and records the copy, which the
@@ -22,6 +30,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,9 +80,15 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         offload: KVOffload | None = None,
+        window: int | None = None,
+        release: Callable[[list[int]], None] | None = None,
     ):
         self.pool = pool
         self.block_size = block_size
+        # The local layers' window, where a release gives their K/V back (else None).
+        self.window = window if release is not None else None
+        self._release = release
+        self._unreleased: dict[str, int] = {}  # the first block of a table not yet released
         self.enable_prefix_caching = enable_prefix_caching
         self.offload = offload if enable_prefix_caching else None  # the tier needs hashes
         self.pins = SessionPins(pool, block_size)
@@ -110,11 +125,13 @@ class KVCacheManager:
                 if block is None:
                     break
                 best.blocks.append(block)
-            best.num_tokens = len(best.blocks) * self.block_size
+            best.num_tokens = self._whole_window(best.blocks, len(best.blocks) * self.block_size)
+            del best.blocks[best.num_tokens // self.block_size :]
         if request.session_id is not None:
             blocks, n = self.pins.lookup(request.session_id, request.all_token_ids, limit)
+            n = self._whole_window(blocks, n)
             if n > best.num_tokens:
-                return ComputedPrefix(blocks, n, from_pin=True)
+                return ComputedPrefix(blocks[: -(-n // self.block_size)], n, from_pin=True)
         if self.offload is not None:
             found = self.offload.lookup(request.request_id, chain, len(best.blocks))
             best.pending = found.pending
@@ -123,6 +140,54 @@ class KVCacheManager:
                 best.num_tier_tokens = found.prefix.num_blocks * self.block_size
                 best.num_tokens += best.num_tier_tokens
         return best
+
+    def _whole_window(self, blocks: list[Block], n: int) -> int:
+        """The longest prefix of the `n` tokens in `blocks` (at most n, 0 at worst) after
+        which the local layers still have what they attend to: no windowed block among
+        those of its last `window` positions."""
+        if self.window is None:
+            return n
+        bs = self.block_size
+        while n > 0:
+            first = max(0, n - self.window + 1) // bs  # the next query's first key's block
+            gone = [i for i in range(first, -(-n // bs)) if blocks[i].windowed]
+            if not gone:
+                return n
+            n = gone[-1] * bs  # end before the last of them, and look again
+        return 0
+
+    def release_behind_window(self, request: Request) -> None:
+        """After a step: give back the local-layer K/V of the request's blocks that fell
+        out of its window and that it alone holds (one another request shares may still
+        be in that one's window)."""
+        if self.window is None:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if not table:
+            return
+        start = self._unreleased.get(rid, 0)
+        end = min(self._behind(request.num_computed_tokens), len(table))
+        if end <= start:
+            return
+        self._unreleased[rid] = end
+        self._release_blocks(table[start:end])
+
+    def _behind(self, num_tokens: int) -> int:
+        """How many leading blocks of `num_tokens` computed tokens may give their local K/V
+        back. The next query, at position num_tokens, attends to the keys after
+        num_tokens - window; block i's last is (i + 1) * bs - 1. One block more is kept:
+        a prompt that goes on from these tokens finds them by whole blocks (the prefix
+        cache), so its computed prefix may end up to a block earlier, and its window with
+        it."""
+        return max(0, (num_tokens - self.window + 1) // self.block_size - 1)
+
+    def _release_blocks(self, blocks: list[Block]) -> None:
+        mine = [b for b in blocks if b.ref_count == 1 and not b.windowed]
+        if mine:
+            assert self._release is not None
+            self._release([b.block_id for b in mine])
+            self.pool.mark_windowed(mine)
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedPrefix | None = None
@@ -177,6 +242,7 @@ class KVCacheManager:
             raise RuntimeError(f"request {child.request_id} already has blocks")
         self.pool.touch(table)
         self._tables[child.request_id] = list(table)
+        self._unreleased[child.request_id] = self._unreleased.get(parent.request_id, 0)
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
@@ -189,7 +255,7 @@ class KVCacheManager:
         """With the tier storing on eviction: save the cached blocks whose memory the next
         `n` allocations reuse."""
         if self.offload is not None and self.offload.store_on_evict:
-            self.offload.save(self.pool.peek_free(n))
+            self.offload.save([b for b in self.pool.peek_free(n) if not b.windowed])
 
     def _load(self, prefix: TierPrefix, blocks: list[Block]) -> None:
         """Fill fresh blocks with K/V from the tier and make them findable by their
@@ -218,6 +284,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first (see BlockPool.free)."""
         table = self._tables.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
+        self._unreleased.pop(request.request_id, None)
         self.pool.free(reversed(table))
 
     def free_or_pin(self, request: Request) -> None:
@@ -229,11 +296,14 @@ class KVCacheManager:
             return
         table = self._tables.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
+        self._unreleased.pop(request.request_id, None)
         self._store(request, table)
         tokens = request.all_token_ids[: request.num_computed_tokens]
         keep = self.num_blocks_for(len(tokens))
         self.pool.free(reversed(table[keep:]))  # a block allocated for the next token
         self.pins.pin(request.session_id, table[:keep], tokens)
+        if self.window is not None:  # what it shared while it ran may be the pin's alone now
+            self._release_blocks(table[: self._behind(len(tokens))])
 
     def forget_lookup(self, request: Request) -> None:
         """A waiting request is gone: drop what the tier fetched for it."""
@@ -245,7 +315,7 @@ class KVCacheManager:
         reuse, `cache: false`, which also means its K/V is kept nowhere)."""
         offload = self.offload
         if offload is not None and not offload.store_on_evict and request.use_prefix_cache:
-            offload.save(table)
+            offload.save([b for b in table if not b.windowed])
 
     def holders(self) -> Counter[int]:
         held = Counter(b.block_id for table in self._tables.values() for b in table)

@@ -276,6 +276,7 @@ class Scheduler:
                 continue  # failed during the step; its blocks are gone
             s.request.num_computed_tokens = s.start + s.num_tokens
             self.kv.cache_full_blocks(s.request)
+            self.kv.release_behind_window(s.request)
             if s.forks:
                 self._fork(s.request, s.forks)
 

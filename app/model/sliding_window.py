@@ -1,15 +1,16 @@
-"""Attention over the last `window` positions only (Gemma 3's local layers), over the
-same paged KV cache as full attention (app/model/attention.py).
+"""Attention over the last `window` positions only (Gemma 3's local layers), over the same
+paged KV cache as full attention (app/model/attention.py).
 
 The blocks of a sequence stay as they are and the keys that fell out of the window are
-skipped (their blocks are not freed). Every query row attends to the keys at positions p
-with q - window < p <= q. Where Parley's CPU kernels are loaded, decodes and prompt chunks
-attend in place through paged_decode / paged_prefill with the window: one call a step for
-all decodes, and each row in the bits a decode at its position gets, so a prompt's chunking
-and the prefix cache change nothing, as in the global layers. Otherwise PyTorch's SDPA:
-decodes gathered by block table, one call a sequence over exactly its window (its bits do
-not depend on the sequences beside it), prefill chunks over their own K/V (a fresh prompt)
-or the gathered context with a mask.
+never read: their memory in these layers may have been given back (KVCache.release_local).
+Every query row attends to the keys at positions p with q - window < p <= q. Where
+Parley's CPU kernels are loaded, decodes and prompt chunks attend in place through
+paged_decode / paged_prefill with the window: one call a step for all decodes, and each
+row in the bits a decode at its position gets, so a prompt's chunking and the prefix cache
+change nothing, as in the global layers. Otherwise PyTorch's SDPA: decodes gathered by
+block table, one call a sequence over exactly its window (its bits do not depend on the
+sequences beside it), prefill chunks over their own K/V (a fresh prompt) or the gathered
+context with a mask.
 """
 
 from __future__ import annotations
@@ -77,10 +78,14 @@ def attend_window(
         q_pos = positions[s:e].cpu()
         if p.block_table is None:  # a fresh prompt: its own K/V are the whole context
             ks, vs, k_pos = k[s:e], v[s:e], q_pos
-        else:
-            ks = k_cache.index_select(0, p.block_table).view(-1, hkv, D)[: p.context_len]
-            vs = v_cache.index_select(0, p.block_table).view(-1, hkv, D)[: p.context_len]
-            k_pos = torch.arange(p.context_len)
+        else:  # from the block of the first row's first key: those before are never read
+            bs = k_cache.shape[1]
+            skip = max(0, int(q_pos[0]) - window + 1) // bs
+            table = p.block_table[skip:]
+            n = p.context_len - skip * bs
+            ks = k_cache.index_select(0, table).view(-1, hkv, D)[:n]
+            vs = v_cache.index_select(0, table).view(-1, hkv, D)[:n]
+            k_pos = torch.arange(skip * bs, p.context_len)
         keep = _keep(q_pos, k_pos, window).to(q.device)
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1)[None],

@@ -56,7 +56,7 @@ def replies(engine: LLMEngine, prompts: list[list[int]], together: bool = True) 
 
 
 def engine(loaded, model: ModelConfig, **kw) -> LLMEngine:
-    cache = CacheConfig(256 << 20, enable_prefix_caching=kw.pop("prefix", True))
+    cache = kw.pop("cache", CacheConfig(256 << 20, enable_prefix_caching=kw.pop("prefix", True)))
     return LLMEngine(EngineConfig(model, cache, debug_checks=True, **kw), loaded)
 
 
@@ -78,7 +78,13 @@ def test_greedy_equals_transformers_fp32_gguf_load(gemma, prompts):
 
 @pytest.mark.parametrize("model", [EXACT, DEFAULT], ids=["exact", "default"])
 def test_engine_promises_hold(gemma, prompts, model):
-    batched = replies(engine(gemma, model), prompts)
+    """With the local layers' K/V behind their window given back (read as garbage under
+    debug checks) in every engine here but the one that keeps it."""
+    first = engine(gemma, model)
+    batched = replies(first, prompts)
+    assert first.kv.pool.num_windowed > 0  # the long prompt's early blocks
+    kept = engine(gemma, model, cache=CacheConfig(256 << 20, release_out_of_window=False))
+    assert replies(kept, prompts) == batched and kept.kv.pool.num_windowed == 0
     assert replies(engine(gemma, model), prompts, together=False) == batched  # alone
     chunked = engine(
         gemma, model, scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4)

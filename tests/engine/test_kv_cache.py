@@ -43,3 +43,30 @@ def test_a_pool_larger_than_the_memory_is_refused_at_start():
     assert available is not None and available > 0
     with pytest.raises(ValueError, match="does not fit"):
         KVCache(tiny_arch(64), CacheConfig(kv_cache_bytes=4 * available))
+
+
+def test_local_layers_give_back_the_memory_of_released_blocks():
+    """Gemma-like: 5 local layers of 6, K/V of 1 x 256 bf16 (8 KiB a block and layer)."""
+    arch = tiny_arch(64, architecture="gemma3", num_layers=6, num_kv_heads=1, num_heads=4,
+                     head_dim=256, local_window=512, global_every=6)  # fmt: skip
+    cache = KVCache(arch, CacheConfig(kv_cache_bytes=96 << 20), dtype=torch.bfloat16)
+    assert cache.can_release and cache.local_window == 512 and cache.local_layers == [0, 1, 2, 3, 4]
+    before = resident_mib()
+    cache.tensor[:, :, 1:].fill_(1.0)  # every block of every layer written
+    written = resident_mib() - before
+    assert written > 90
+    n = cache.num_blocks
+    cache.release_local(range(1, n - 10))  # all but the last 10 blocks (and the null block)
+    freed = written - (resident_mib() - before)
+    assert freed > 0.8 * written * 5 / 6, (freed, written)  # the local layers' part
+    assert not cache.tensor[:5, :, 1 : n - 10].any()  # reads as zeros now
+    assert cache.tensor[:5, :, n - 10 :].eq(1).all() and cache.tensor[5].ne(0).any()
+    cache.tensor[0, 0, 3] = 2.0  # a released block written again holds what it is given
+    assert cache.tensor[0, 0, 3].eq(2).all()
+
+
+def test_only_the_cpu_pool_of_a_model_with_local_layers_releases():
+    assert not KVCache(tiny_arch(64), CacheConfig(kv_cache_bytes=4 << 20)).can_release
+    arch = tiny_arch(64, architecture="gemma3", local_window=8, global_every=2)
+    meta = KVCache(arch, CacheConfig(kv_cache_bytes=4 << 20), device="meta")
+    assert meta.local_layers == [0] and not meta.can_release

@@ -1,0 +1,116 @@
+"""Local layers give back the K/V that fell out of their window (KVCache.release_local,
+KVCacheManager.release_behind_window), on a small random Gemma 3 (5 layers over the last 8
+positions, then a global one) in the exact format.
+
+Under the engine's debug checks a released block's local-layer K/V reads as 1e4 instead of
+zeros, so that a kernel, or a computed prefix, that used it would change the reply: the
+replies are compared with an engine that keeps everything. The last test shows that the
+comparison can fail."""
+
+import pytest
+
+from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_cache_dir
+from app.engine.engine import LLMEngine
+from app.engine.engine_request import EngineRequest
+from app.engine.kv_manager import KVCacheManager
+from app.engine.request import SamplingParams
+from app.model import kernels
+from app.model.loader import load_model
+from app.model.registry import default_model_path
+from tests.engine.util import run
+from tests.model.gguf_families import tiny_hf, write_family_gguf
+
+pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LONG = [1000 + (i * 37) % 500 for i in range(100)]  # 100 tokens: 12 windows' worth
+
+
+@pytest.fixture(scope="module", params=["on", "off"], ids=["kernels", "pytorch"])
+def gemma(request, tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("gemma")
+    source = default_model_path(default_cache_dir())  # its tokenizer
+    path = write_family_gguf(tiny_hf("gemma3", len(tokenizer)), folder / "g.gguf", source)
+    if request.param == "on":  # the build every test shares, not one in this folder
+        kernels.load(default_cache_dir())
+    cfg = ModelConfig(model=str(path), cache_dir=folder / "cache", quantization="none",
+                      dtype="float32", cpu_kernels=request.param)  # fmt: skip
+    return cfg, load_model(cfg)
+
+
+def engine(gemma, release: bool = True, chunk: int = 32) -> LLMEngine:
+    cfg, loaded = gemma
+    cache = CacheConfig(8 << 20, release_out_of_window=release)
+    sched = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=8)
+    return LLMEngine(EngineConfig(cfg, cache, sched, debug_checks=True), loaded)
+
+
+def reply(eng: LLMEngine, prompt, session: str | None = None, rid: str = "r"):
+    eng.add_request(EngineRequest(list(prompt), GREEDY, rid, session_id=session))
+    return run(eng)[rid]
+
+
+def test_a_long_prompt_and_reply_give_back_what_left_the_window(gemma):
+    kept, released = engine(gemma, release=False), engine(gemma)
+    assert released.kv.window == 8 and kept.kv.window is None
+    want = reply(kept, LONG).token_ids
+    assert reply(released, LONG).token_ids == want  # chunks of 32, then 24 decodes
+    # 123 positions computed (the last token is only sampled): the next query, at 123,
+    # attends to 116-123, so blocks 0-6 (positions 0-111) are out of every later window;
+    # one block is kept beside it for a prompt that goes on from here (by whole blocks).
+    assert released.kv.pool.num_windowed == 6
+    assert kept.kv.pool.num_windowed == 0
+
+
+def test_batched_replies_release_and_keep_their_bits(gemma):
+    prompts = [LONG, LONG[10:90], LONG[::-1]]
+    kept, released = engine(gemma, release=False), engine(gemma)
+    for eng in (kept, released):
+        for i, p in enumerate(prompts):
+            eng.add_request(EngineRequest(p, GREEDY, str(i)))
+    want, got = run(kept), run(released)
+    assert [got[str(i)].token_ids for i in range(3)] == [want[str(i)].token_ids for i in range(3)]
+    assert released.kv.pool.num_windowed > 0
+
+
+def test_a_prefix_whose_window_was_given_back_is_computed_again(gemma):
+    """A prompt sharing the first 60 tokens of a long one finds them in the prefix cache,
+    but their last window's local K/V is gone: it starts before that window instead."""
+    kept, released = engine(gemma, release=False), engine(gemma)
+    other = LONG[:60] + [7, 8, 9]
+    for eng in (kept, released):
+        reply(eng, LONG, rid="long")
+    want = reply(kept, other, rid="other")
+    got = reply(released, other, rid="other")
+    assert got.token_ids == want.token_ids
+    assert want.cached_tokens == 48 and got.cached_tokens < 48
+
+
+def test_the_next_turn_of_a_conversation_loses_nothing(gemma):
+    """A conversation goes on from its end, whose window is whole: its pin (and the prefix
+    cache) still give the whole history."""
+    kept, released = engine(gemma, release=False), engine(gemma)
+    first = {eng: reply(eng, LONG, "s", "t1") for eng in (kept, released)}
+    assert first[kept].token_ids == first[released].token_ids
+    follow = LONG + first[kept].token_ids + [11, 12, 13]
+    want = reply(kept, follow, "s", "t2")
+    got = reply(released, follow, "s", "t2")
+    assert got.token_ids == want.token_ids
+    assert got.cached_tokens == want.cached_tokens == len(LONG) + 24 - 1
+    # Without a session, the next turn from the prefix cache (by whole blocks): the same.
+    after = follow + want.token_ids + [14, 15]
+    plain = [reply(eng, after, rid="t3") for eng in (kept, released)]
+    assert plain[0].token_ids == plain[1].token_ids
+    assert plain[1].cached_tokens == plain[0].cached_tokens == 144
+
+
+def test_the_comparison_can_fail(gemma, monkeypatch):
+    """A computed prefix taken whole, its released window and all, changes the reply."""
+    kept, released = engine(gemma, release=False), engine(gemma)
+    other = LONG[:60] + [7, 8, 9]
+    for eng in (kept, released):
+        reply(eng, LONG, rid="long")
+    monkeypatch.setattr(KVCacheManager, "_whole_window", lambda self, blocks, n: n)
+    got = reply(released, other, rid="other")
+    assert got.cached_tokens == 48
+    assert got.token_ids != reply(kept, other, rid="other").token_ids
