@@ -1,10 +1,11 @@
 """The token path beside Ray: one TCP connection between a front and each replica.
 
-Ray places the replicas, restarts them and carries the control calls (info, heartbeat,
-release_session). The hot path (a request in, every engine step's outputs out) takes a
-socket of its own, as vLLM's engine core takes ZeroMQ sockets beside its processes: a
-Ray streaming-generator item costs the front ~250-400 us of CPU and a Ray call ~1 ms,
-a frame on an open socket a few microseconds.
+Ray places the replicas, restarts them and carries the control calls (info, opening a
+link, a heartbeat while there is no link). The hot path (a request in, every engine
+step's outputs out) and the steady heartbeat take a socket of their own, as vLLM's engine
+core takes ZeroMQ sockets beside its processes: a Ray streaming-generator item costs the
+front ~250-400 us of CPU and a Ray call ~0.4-1 ms, a frame on an open socket a few
+microseconds.
 
 A front asks a replica to open its end (`ReplicaLinks.open`, over Ray): the replica
 listens on an ephemeral port (loopback when the front is on the same node, else its node's
@@ -14,6 +15,8 @@ the key first; anything else is closed unread. Then:
     front -> replica   ("submit", EngineRequest) | ("abort", request id)
                        | ("release", session id): its pinned K/V may go
     replica -> front   list[Relayed]: what the replica produced since the previous frame
+                       | ReplicaBeat: its counters and cached block hashes, every
+                         `beat_s` seconds (the front's heartbeat, with no Ray call)
 
 Each frame is a 4-byte big-endian length and a pickle. The key is what lets the replica
 unpickle what arrives (Ray's own channel, which hands over the key, is token-authenticated);
@@ -50,6 +53,14 @@ LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
+class Beat:
+    """What a front asks of a replica's heartbeat over the link."""
+
+    every_s: float
+    max_hashes: int  # cached block hashes it carries, the most recent
+
+
+@dataclass(frozen=True)
 class LinkAddress:
     """Where a front connects to reach one replica, and the key it must present."""
 
@@ -73,6 +84,7 @@ class LinkBody(Protocol):
     """What a replica (real or simulated) offers its links."""
 
     def submit(self, front: str, asked: EngineRequest) -> None: ...
+    def heartbeat(self, max_hashes: int) -> Any: ...
     def abort(self, request_id: str) -> None: ...
     def release_session(self, session_id: str) -> None: ...
     def stream(self, front: str) -> AsyncIterator[list[Any]]: ...
@@ -86,15 +98,16 @@ class ReplicaLinks:
         self._listeners: dict[str, tuple[asyncio.Server, LinkAddress]] = {}
         self._serving: dict[str, asyncio.Task[None]] = {}  # front -> its connection's task
 
-    async def open(self, front: str, host: str) -> LinkAddress:
-        """Listen for `front` on `host` (once; later calls give the same address)."""
+    async def open(self, front: str, host: str, beat: Beat | None = None) -> LinkAddress:
+        """Listen for `front` on `host` (once; later calls give the same address). With
+        `beat`, the connection carries the replica's heartbeat too."""
         known = self._listeners.get(front)
         if known is not None:
             return known[1]
         key = secrets.token_bytes(KEY_BYTES)
 
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._accept(front, key, reader, writer)
+            await self._accept(front, key, reader, writer, beat)
 
         server = await asyncio.start_server(accept, host, 0)
         port = server.sockets[0].getsockname()[1]
@@ -110,7 +123,12 @@ class ReplicaLinks:
         self._listeners.clear()
 
     async def _accept(
-        self, front: str, key: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        front: str,
+        key: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        beat: Beat | None,
     ) -> None:
         try:
             hello = await asyncio.wait_for(reader.readexactly(KEY_BYTES), HELLO_TIMEOUT_S)
@@ -127,17 +145,23 @@ class ReplicaLinks:
         assert task is not None
         self._serving[front] = task
         try:
-            await self._serve(front, reader, writer)
+            await self._serve(front, reader, writer, beat)
         finally:
             if self._serving.get(front) is task:
                 del self._serving[front]
             writer.close()
 
     async def _serve(
-        self, front: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        front: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        beat: Beat | None,
     ) -> None:
         open_ids: set[str] = set()  # submitted over this connection and not yet ended
-        sender = asyncio.get_running_loop().create_task(self._send(front, writer, open_ids))
+        loop = asyncio.get_running_loop()
+        sender = loop.create_task(self._send(front, writer, open_ids))
+        beater = loop.create_task(self._beat(writer, beat)) if beat is not None else None
         try:
             while True:
                 kind, payload = await read_frame(reader)
@@ -151,11 +175,20 @@ class ReplicaLinks:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front went away
         finally:
-            sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sender
+            for task in (sender, beater):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             for request_id in open_ids:  # nobody reads their outputs any more
                 self._body.abort(request_id)
+
+    async def _beat(self, writer: asyncio.StreamWriter, beat: Beat) -> None:
+        """The replica's heartbeat, a frame every `beat.every_s` (a whole frame a write:
+        it never splits one of _send's)."""
+        while not writer.is_closing():
+            writer.write(frame(self._body.heartbeat(beat.max_hashes)))
+            await asyncio.sleep(beat.every_s)
 
     async def _send(self, front: str, writer: asyncio.StreamWriter, open_ids: set[str]) -> None:
         try:

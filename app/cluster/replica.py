@@ -8,8 +8,9 @@ frame. A request's outputs end with its frozen stats (FinishedRequestStats, for 
 front's metrics and tracing), or None when there are none, or the exception that refused
 it (bad input, overloaded).
 
-`heartbeat` answers the front's ping: the engine's counters and the hashes of the KV
-blocks this replica holds, for prefix-aware routing (router.py).
+`heartbeat` is the replica's sign of life: the engine's counters and the hashes of the KV
+blocks this replica holds, for prefix-aware routing (router.py). Its link sends one every
+second; the front calls it over Ray only for a replica it has no link to.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from app.cluster.link import LOOPBACK, LinkAddress, ReplicaLinks
+from app.cluster.link import LOOPBACK, Beat, LinkAddress, ReplicaLinks
 from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine, settle_heap
 from app.engine.engine_request import EngineRequest
@@ -103,8 +104,8 @@ class Replica:
     def healthy(self) -> bool:
         return self.engine.healthy()
 
-    async def open_link(self, front: str, front_ip: str) -> LinkAddress:
-        return await self._links.open(front, link_host(front_ip))
+    async def open_link(self, front: str, front_ip: str, beat: Beat | None = None) -> LinkAddress:
+        return await self._links.open(front, link_host(front_ip), beat)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from app.cluster.link import LinkAddress, ReplicaLinks
+from app.cluster.link import Beat, LinkAddress, ReplicaLinks
 from app.cluster.replica import Outbox, Relayed, ReplicaBeat, link_host
 from app.config import EngineConfig
 from app.engine.engine_request import EngineRequest
@@ -74,8 +74,8 @@ class SimulatedReplica:
     def healthy(self) -> bool:
         return True
 
-    async def open_link(self, front: str, front_ip: str) -> LinkAddress:
-        return await self._links.open(front, link_host(front_ip))
+    async def open_link(self, front: str, front_ip: str, beat: Beat | None = None) -> LinkAddress:
+        return await self._links.open(front, link_host(front_ip), beat)
 
     def stats(self) -> EngineStats:
         return EngineStats(

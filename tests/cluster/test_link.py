@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from app.cluster.link import FrontLink
-from app.cluster.replica import Replica
+from app.cluster.link import Beat, FrontLink
+from app.cluster.replica import Replica, ReplicaBeat
 from app.cluster.simulated import SimulatedReplica
 from app.engine.engine_request import EngineRequest
 from app.engine.errors import ContextTooLong
@@ -157,3 +157,38 @@ def test_a_replica_listens_on_loopback_for_a_front_on_its_node_else_on_its_addre
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.7")
     assert link_host("192.0.2.7") == "127.0.0.1"  # the same node: never off the machine
     assert link_host("192.0.2.8") == "192.0.2.7"  # another node reaches it at its address
+
+
+def test_the_link_carries_the_replicas_heartbeat_between_its_frames(tokenizer):
+    """Asked for beats, the replica sends its counters every beat_s without being asked
+    (the front makes no Ray call for a replica it has a link to), whole frames between
+    the outputs' frames."""
+
+    async def main():
+        replica = SimulatedReplica(*tiny_parts(tokenizer), 200.0)
+        try:
+            address = await replica._links.open("front", "127.0.0.1", Beat(0.05, 16))
+            link = await FrontLink.connect(address)
+            link.submit(EngineRequest([1, 2, 3], SamplingParams(max_tokens=40), "a"))
+            frames, batches = [], link.batches()
+            while not any(
+                isinstance(f, list) and any(r == "a" and not isinstance(i, RequestOutput)
+                                            for r, i in f)
+                for f in frames
+            ):  # fmt: skip
+                frames.append(await asyncio.wait_for(anext(batches), 30))
+            await asyncio.sleep(0.3)  # idle: only beats
+            link.close()
+            frames += [f async for f in batches]
+            return frames
+        finally:
+            await replica.stop()
+
+    frames = asyncio.run(main())
+    beats = [f for f in frames if isinstance(f, ReplicaBeat)]
+    outputs = [
+        i for f in frames if isinstance(f, list) for _, i in f if isinstance(i, RequestOutput)
+    ]
+    assert sum(len(o.new_token_ids) for o in outputs) == 40
+    assert len(beats) >= 4 and all(b.stats.steps >= 0 for b in beats)
+    assert beats[-1].stats.num_running == 0
