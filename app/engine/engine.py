@@ -437,7 +437,8 @@ class LLMEngine:
             step=self.scheduler.last_step,
             tier_hits=s.tier_hits,
             tier=self.offload.stats() if self.offload is not None else None,
-            kv_resident_bytes=(pool.num_touched + 1) * self.kv_cache.bytes_per_block,
+            kv_resident_bytes=(pool.num_touched + 1) * self.kv_cache.bytes_per_block
+            - pool.num_windowed * self.kv_cache.released_bytes_per_block,
             itl_gaps=self._itl_gaps,
             itl_gaps_over=tuple(self._itl_over),
             cpu_threads=self.num_threads if self.device.type == "cpu" else 0,

@@ -69,6 +69,15 @@ class KVCache:
         """Whether release_local gives memory back (local layers, on the CPU)."""
         return self._memory is not None and bool(self.local_layers)
 
+    @property
+    def released_bytes_per_block(self) -> int:
+        """Memory release_local gives back for one block (at least: whole pages of each
+        local layer's K and V; runs of neighbouring blocks may give back a little more)."""
+        if not self.can_release or self.poison_released:
+            return 0
+        per = self.bytes_per_block // (2 * self.arch.num_layers)
+        return 2 * len(self.local_layers) * (per // mmap.PAGESIZE * mmap.PAGESIZE)
+
     def release_local(self, block_ids: Iterable[int]) -> None:
         """Give back the memory these blocks hold in the local layers: none of those layers
         will read it again (its keys fell out of their window). It reads as zeros after,

@@ -149,7 +149,8 @@ class EngineStats:
     routing: dict[str, int] = field(default_factory=dict)  # decisions by kind (affine, ...)
     tier_hits: int = 0  # prompt tokens loaded from the KV tier (not in prefix_hits)
     tier: TierStats | None = None  # None: no KV tier
-    kv_resident_bytes: int = 0  # of the K/V pool, the blocks written at least once
+    # Of the K/V pool: the blocks written at least once, less what local layers gave back
+    kv_resident_bytes: int = 0
     # Inter-token gaps as the engine saw them, held against the policy's target (none
     # counted without one): how many, and how many over each of ITL_OVER x the target.
     itl_gaps: int = 0

@@ -134,7 +134,8 @@ class _EngineCollector(Collector):
         )
         yield GaugeMetricFamily(
             P + "kv_cache_resident_bytes",
-            "Bytes of the KV pool written so far (its memory becomes resident on first use).",
+            "Bytes of the KV pool written so far (its memory becomes resident on first use), "
+            "less what local attention layers gave back.",
             s.kv_resident_bytes,
         )
         yield GaugeMetricFamily(

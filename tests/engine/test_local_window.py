@@ -38,11 +38,11 @@ def gemma(request, tmp_path_factory, tokenizer):
     return cfg, load_model(cfg)
 
 
-def engine(gemma, release: bool = True, chunk: int = 32) -> LLMEngine:
+def engine(gemma, release: bool = True, chunk: int = 32, debug: bool = True) -> LLMEngine:
     cfg, loaded = gemma
     cache = CacheConfig(8 << 20, release_out_of_window=release)
     sched = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=8)
-    return LLMEngine(EngineConfig(cfg, cache, sched, debug_checks=True), loaded)
+    return LLMEngine(EngineConfig(cfg, cache, sched, debug_checks=debug), loaded)
 
 
 def reply(eng: LLMEngine, prompt, session: str | None = None, rid: str = "r"):
@@ -60,6 +60,16 @@ def test_a_long_prompt_and_reply_give_back_what_left_the_window(gemma):
     # one block is kept beside it for a prompt that goes on from here (by whole blocks).
     assert released.kv.pool.num_windowed == 6
     assert kept.kv.pool.num_windowed == 0
+
+
+def test_the_memory_given_back_shows_in_the_resident_bytes(gemma):
+    """Without debug checks a release gives memory back (zeros after), and /metrics'
+    resident K/V says so: here 4 KiB of each of the 5 local layers' K and V a block."""
+    kept, released = engine(gemma, release=False, debug=False), engine(gemma, debug=False)
+    assert reply(released, LONG).token_ids == reply(kept, LONG).token_ids
+    assert released.kv_cache.released_bytes_per_block == 5 * 2 * 4096
+    less = kept.stats().kv_resident_bytes - released.stats().kv_resident_bytes
+    assert less == 6 * 5 * 2 * 4096
 
 
 def test_batched_replies_release_and_keep_their_bits(gemma):
