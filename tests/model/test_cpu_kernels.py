@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.config import ModelConfig
+from app.config import ModelConfig, default_cache_dir
 from app.engine.engine_request import EngineRequest
 from app.model import cpu, kernels
 from app.model.attention import AttentionMetadata, _decode, additive_mask
@@ -407,20 +407,20 @@ def test_auto_serves_the_default_model_with_the_kernels(smollm):
     assert not exact.model.ops.fused  # the exact reference: PyTorch's ops
 
 
-def test_an_avx2_build_computes_the_same(tmp_path):
+def test_an_avx2_build_computes_the_same(tmp_path, avx2_build):
     """The same source built for an AVX2-only CPU (x86-64-v3), in a process of its own (one
     build a process): its results equal this machine's native build's, bit for bit: every sum
     is taken in lanes of a fixed order whatever the vector width. (The int4 matmul's vector
     path, that is: where the machine has AMX its tile units round their own way, and the
-    native process is run with PARLEY_AMX=0.)"""
-    if "avx2" not in cpu.cpu_flags():
-        pytest.skip("needs an x86 CPU with AVX2")
+    native process is run with PARLEY_AMX=0.) The native build is the one the suite uses,
+    the AVX2 one the session's (tests/model/conftest.py)."""
+    caches = {"native": default_cache_dir(), avx2_build[1]: avx2_build[0]}
     script = textwrap.dedent(
-        f"""
+        """
         import sys, torch
         from pathlib import Path
         from app.model import cpu, kernels
-        assert kernels.load(Path({str(tmp_path)!r}), march=sys.argv[1]) is None
+        assert kernels.load(Path(sys.argv[3]), march=sys.argv[1]) is None
         assert "AMX" not in torch.ops.parley.q4_path()
         g = torch.Generator().manual_seed(0)
         x = torch.randn(33, 576, generator=g).bfloat16()
@@ -434,7 +434,7 @@ def test_an_avx2_build_computes_the_same(tmp_path):
         codes = torch.randint(-128, 128, (70, 576), generator=g, dtype=torch.int8)
         scales = torch.rand(70, 18, generator=g)
         from app.model.quant.kquants import GroupLinear, GroupWeight
-        groups = {{}}  # group_matmul at each code width, with and without offsets
+        groups = {}  # group_matmul at each code width, with and without offsets
         for lo, hi, group, off in [(0, 16, 32, True), (-16, 16, 32, False),
                                    (-32, 32, 16, False), (-128, 128, 32, False)]:
             gscale = torch.rand(48, 576 // group, generator=g)
@@ -476,9 +476,10 @@ def test_an_avx2_build_computes_the_same(tmp_path):
         torch.save(out, sys.argv[2])
         """
     )
-    for march in ("native", "x86-64-v3"):
-        subprocess.run([sys.executable, "-c", script, march, str(tmp_path / f"{march}.pt")],
-                       check=True, timeout=600, env={**os.environ, "PARLEY_AMX": "0"})  # fmt: skip
+    for march, cache in caches.items():
+        subprocess.run([sys.executable, "-c", script, march, str(tmp_path / f"{march}.pt"),
+                        str(cache)], check=True, timeout=600,
+                       env={**os.environ, "PARLEY_AMX": "0"})  # fmt: skip
     native = torch.load(tmp_path / "native.pt")
     avx2 = torch.load(tmp_path / "x86-64-v3.pt")
     assert torch.equal(native["norm"], avx2["norm"])  # same lanes, same order, any width

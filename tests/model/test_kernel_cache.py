@@ -3,14 +3,11 @@ environment (another torch install, another compiler) gets a build of its own in
 rebuilding the first's, and a compile says so while it runs."""
 
 import os
-import subprocess
-import sys
-import textwrap
 
-import pytest
 import torch
 
-from app.model import cpu, kernels
+from app.model import kernels
+from tests.model.kernel_builds import load_in_process
 
 SOURCE = b"// the same source"
 
@@ -33,49 +30,23 @@ def test_the_key_follows_the_torch_install_and_the_compiler(monkeypatch):
     assert inputs["compiler"].startswith("/")  # resolved to the binary that runs
 
 
-LOAD = textwrap.dedent(
-    """
-    import logging, sys
-    from pathlib import Path
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from app.model import kernels
-    why = kernels.load(Path(sys.argv[1]))
-    assert why is None, why
-    print(kernels.sources_key())
-    """
-)
-
-
-def load_in_process(cache, env=None):
-    out = subprocess.run(
-        [sys.executable, "-c", LOAD, str(cache)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **(env or {})},
-        check=True,
-    )
-    return out.stdout.strip(), out.stderr
-
-
-def test_two_build_environments_keep_a_build_each(tmp_path):
-    if not cpu.cpu_flags() or not kernels.shutil.which("g++"):
-        pytest.skip("needs g++ on an x86 CPU")
-    cache = tmp_path / "cache"
-    key, log = load_in_process(cache)
+def test_two_build_environments_keep_a_build_each(tmp_path, avx2_build):
+    """The session's AVX2 build is the first environment's; a second compiler's build
+    joins it in the same cache, and neither rebuilds the other."""
+    cache, march, key, log = avx2_build
     assert "compiling Parley's CPU kernels" in log  # said while it compiles
     built = {p: p.stat().st_mtime for p in (cache / "kernels" / key).glob("*.so")}
     assert built
-    again, log = load_in_process(cache)
+    again, log = load_in_process(cache, march)
     assert again == key and "compiling" not in log  # cached
     # Another compiler (a wrapper of its own, as another environment's would be).
     wrapper = tmp_path / "bin" / "c++"
     wrapper.parent.mkdir()
     wrapper.write_text('#!/bin/sh\nexec g++ "$@"\n')
     wrapper.chmod(0o755)
-    other, log = load_in_process(cache, {"CXX": str(wrapper)})
+    other, log = load_in_process(cache, march, {"CXX": str(wrapper)})
     assert other != key and "compiling" in log
     # The first environment's build is untouched: it loads without compiling.
-    first, log = load_in_process(cache)
+    first, log = load_in_process(cache, march)
     assert first == key and "compiling" not in log
     assert {p: p.stat().st_mtime for p in (cache / "kernels" / key).glob("*.so")} == built
