@@ -124,3 +124,18 @@ def test_the_comparison_can_fail(gemma, monkeypatch):
     got = reply(released, other, rid="other")
     assert got.cached_tokens == 48
     assert got.token_ids != reply(kept, other, rid="other").token_ids
+
+
+def test_an_edited_turn_whose_pin_lost_its_window_starts_before_it(gemma):
+    """A next turn that changes the history at token 70 shares 64 tokens (whole blocks:
+    the 5th is in the prefix cache) with the pin, whose last window was given back: it is
+    computed again from a point before that window (here the start: every block before
+    it was given back too), and its reply is the kept engine's."""
+    kept, released = engine(gemma, release=False), engine(gemma)
+    for eng in (kept, released):
+        reply(eng, LONG, "s", "t1")
+    edited = LONG[:70] + [5, 6, 7, 8]
+    want = reply(kept, edited, "s", "t2")
+    got = reply(released, edited, "s", "t2")
+    assert got.token_ids == want.token_ids
+    assert want.cached_tokens == 64 and got.cached_tokens == 0
