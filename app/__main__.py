@@ -14,6 +14,7 @@ taken before anything loads, so a port in use is found at once.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import errno
 import logging
@@ -551,6 +552,9 @@ def serve(args: argparse.Namespace) -> None:
         # Token frames are a few dozen bytes: compressing each one cost the event loop
         # more CPU than anything else it does per token, on the cores the model runs on.
         ws_per_message_deflate=False,
+        # uvloop where it is installed (a dependency off Windows): the loop's own work per
+        # token frame is less, ~6% of a front's CPU a relayed token (docs/scaling.md).
+        loop="auto",
     )
     ReadyServer(config, url).run(sockets=[sock])
 
@@ -569,6 +573,8 @@ class ReadyServer:
                     from app.engine.async_engine import settle_heap
 
                     settle_heap()  # the model is loaded: this process is the server's
+                    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+                    logging.getLogger("app").info("event loop: %s", loop)
                     print(f"Parley is ready: open {url} in a browser", file=sys.stderr, flush=True)
 
         return _Server(config)

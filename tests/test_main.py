@@ -193,6 +193,7 @@ def test_the_address_is_printed_once_the_page_answers():
         # What it was doing came first, and the page answers the moment it says so.
         assert "loading SmolLM2-135M-Instruct" in lines[0]
         assert any("engine ready" in line for line in lines)
+        assert any("event loop: uvloop" in line for line in lines)  # a dependency here
         assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).status_code == 200
         assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200
     finally:
