@@ -85,8 +85,9 @@ class KVCacheManager:
     ):
         self.pool = pool
         self.block_size = block_size
-        # The local layers' window, where a release gives their K/V back (else None).
-        self.window = window if release is not None else None
+        # The local layers' window (None: the model has none), and how their K/V is given
+        # back (None: it is not here; a block may still come windowed from the KV tier).
+        self.window = window
         self._release = release
         self._unreleased: dict[str, int] = {}  # the first block of a table not yet released
         self.enable_prefix_caching = enable_prefix_caching
@@ -125,32 +126,46 @@ class KVCacheManager:
                 if block is None:
                     break
                 best.blocks.append(block)
-            best.num_tokens = self._whole_window(best.blocks, len(best.blocks) * self.block_size)
+            best.num_tokens = self._whole_window(
+                [b.windowed for b in best.blocks], len(best.blocks) * self.block_size
+            )
             del best.blocks[best.num_tokens // self.block_size :]
         if request.session_id is not None:
             blocks, n = self.pins.lookup(request.session_id, request.all_token_ids, limit)
-            n = self._whole_window(blocks, n)
+            n = self._whole_window([b.windowed for b in blocks], n)
             if n > best.num_tokens:
                 return ComputedPrefix(blocks[: -(-n // self.block_size)], n, from_pin=True)
         if self.offload is not None:
             found = self.offload.lookup(request.request_id, chain, len(best.blocks))
             best.pending = found.pending
             if found.prefix is not None:
-                best.tier = found.prefix
-                best.num_tier_tokens = found.prefix.num_blocks * self.block_size
-                best.num_tokens += best.num_tier_tokens
+                self._take_tier(best, found.prefix)
         return best
 
-    def _whole_window(self, blocks: list[Block], n: int) -> int:
-        """The longest prefix of the `n` tokens in `blocks` (at most n, 0 at worst) after
-        which the local layers still have what they attend to: no windowed block among
-        those of its last `window` positions."""
+    def _take_tier(self, best: ComputedPrefix, prefix: TierPrefix) -> None:
+        """`best` goes on with the tier's blocks, as far as its last window is whole."""
+        bs = self.block_size
+        flags = [b.windowed for b in best.blocks] + list(
+            prefix.windowed or [False] * prefix.num_blocks
+        )
+        n = self._whole_window(flags, len(flags) * bs)
+        tier = prefix.first(n // bs - len(best.blocks))
+        if tier is None:  # the pool's part alone (whole on its own)
+            return
+        best.tier = tier
+        best.num_tier_tokens = tier.num_blocks * bs
+        best.num_tokens += best.num_tier_tokens
+
+    def _whole_window(self, windowed: list[bool], n: int) -> int:
+        """The longest prefix of `n` tokens in blocks `windowed` says of (at most n, 0 at
+        worst) after which the local layers still have what they attend to: no windowed
+        block among those of its last `window` positions."""
         if self.window is None:
             return n
         bs = self.block_size
         while n > 0:
             first = max(0, n - self.window + 1) // bs  # the next query's first key's block
-            gone = [i for i in range(first, -(-n // bs)) if blocks[i].windowed]
+            gone = [i for i in range(first, -(-n // bs)) if windowed[i]]
             if not gone:
                 return n
             n = gone[-1] * bs  # end before the last of them, and look again
@@ -160,7 +175,7 @@ class KVCacheManager:
         """After a step: give back the local-layer K/V of the request's blocks that fell
         out of its window and that it alone holds (one another request shares may still
         be in that one's window)."""
-        if self.window is None:
+        if self.window is None or self._release is None:
             return
         rid = request.request_id
         table = self._tables.get(rid)
@@ -255,13 +270,17 @@ class KVCacheManager:
         """With the tier storing on eviction: save the cached blocks whose memory the next
         `n` allocations reuse."""
         if self.offload is not None and self.offload.store_on_evict:
-            self.offload.save([b for b in self.pool.peek_free(n) if not b.windowed])
+            self.offload.save(self.pool.peek_free(n))
 
     def _load(self, prefix: TierPrefix, blocks: list[Block]) -> None:
         """Fill fresh blocks with K/V from the tier and make them findable by their
         hashes, as if computed here."""
         assert self.offload is not None
         self.offload.restore(prefix, blocks)
+        windowed = [b for b, w in zip(blocks, prefix.windowed) if w]
+        if windowed and self._release is not None:  # what the tier gave as zeros
+            self._release([b.block_id for b in windowed])
+        self.pool.mark_windowed(windowed)
         for block, block_hash in zip(blocks, prefix.hashes, strict=True):
             self.pool.cache_block(block, block_hash)
 
@@ -302,7 +321,7 @@ class KVCacheManager:
         keep = self.num_blocks_for(len(tokens))
         self.pool.free(reversed(table[keep:]))  # a block allocated for the next token
         self.pins.pin(request.session_id, table[:keep], tokens)
-        if self.window is not None:  # what it shared while it ran may be the pin's alone now
+        if self._release is not None:  # what it shared while it ran may be the pin's alone now
             self._release_blocks(table[: self._behind(len(tokens))])
 
     def forget_lookup(self, request: Request) -> None:
@@ -315,7 +334,7 @@ class KVCacheManager:
         reuse, `cache: false`, which also means its K/V is kept nowhere)."""
         offload = self.offload
         if offload is not None and not offload.store_on_evict and request.use_prefix_cache:
-            offload.save([b for b in table if not b.windowed])
+            offload.save(table)
 
     def holders(self) -> Counter[int]:
         held = Counter(b.block_id for table in self._tables.values() for b in table)

@@ -56,6 +56,7 @@ class TierPrefix:
     start: int
     hashes: tuple[bytes, ...]
     payload: torch.Tensor  # (num_blocks, layers, 2, block_size, kv_heads, head_dim), CPU
+    windowed: tuple[bool, ...] = ()  # per block: its local layers' K/V was given back
 
     @property
     def num_blocks(self) -> int:
@@ -68,7 +69,13 @@ class TierPrefix:
             return self
         if skip >= self.num_blocks:
             return None
-        return TierPrefix(start, self.hashes[skip:], self.payload[skip:])
+        return TierPrefix(start, self.hashes[skip:], self.payload[skip:], self.windowed[skip:])
+
+    def first(self, n: int) -> TierPrefix | None:
+        """Its first `n` blocks (None for none)."""
+        if n <= 0:
+            return None
+        return TierPrefix(self.start, self.hashes[:n], self.payload[:n], self.windowed[:n])
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ class KVOffload:
         ids = torch.tensor([b.block_id for b, _ in chosen], device=self._blocks.device)
         data = self._blocks.index_select(0, ids).cpu()
         self.counters.observe("copy", time.perf_counter() - t0)
-        self.worker.submit([k for _, k in chosen], data)
+        self.worker.submit([k for _, k in chosen], data, [b.windowed for b, _ in chosen])
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -180,10 +187,11 @@ class KVOffload:
         n = next((i for i, e in enumerate(entries) if e is None), len(entries))
         payload = torch.empty((n, *self.layout.shape), dtype=self.layout.dtype)
         good = 0
+        windowed: list[bool] = []
         for key, entry in zip(keys[:n], entries[:n]):
             assert entry is not None
             try:
-                decode_into(self.layout, key, entry, payload[good])
+                windowed.append(decode_into(self.layout, key, entry, payload[good]))
             except BadEntry as exc:
                 self.counters.error(exc.reason, f"entry {key.hex()[:16]}: {exc}")
                 with contextlib.suppress(Exception):
@@ -196,7 +204,7 @@ class KVOffload:
         self.cost.observe_load(good * self.layout.entry_bytes, seconds)
         if not good:
             return None
-        return TierPrefix(start, keys[:good], payload[:good])
+        return TierPrefix(start, keys[:good], payload[:good], tuple(windowed))
 
     def restore(self, prefix: TierPrefix, blocks: Sequence[Block]) -> None:
         """Copy fetched K/V into `blocks` (fresh ones, as many as the prefix has)."""

@@ -1,8 +1,12 @@
 """The entry format: one block's K/V for every layer, with a header that says whose it is.
 
-    header  magic "PKVB", version, dtype, rank, model fingerprint (16 bytes), block key
-            (16 bytes), payload length, CRC-32 of the payload, shape
+    header  magic "PKVB", version, dtype, rank, flags, model fingerprint (16 bytes),
+            block key (16 bytes), payload length, CRC-32 of the payload, shape
     payload the block's K/V, (layers, 2, block_size, kv_heads, head_dim), raw bytes
+
+Flags: WINDOWED, the block's K/V in the local (sliding-window) layers was given back
+before it was stored (KVCache.release_local): those layers' part is zeros, and whoever
+loads it marks the block so (KVCacheManager uses it only where no window reaches it).
 
 A reader checks all of it before a byte reaches the cache: another model's entry, an entry
 under the wrong key, a short one or a flipped bit each raise BadEntry with a reason, and
@@ -21,8 +25,9 @@ import numpy as np
 import torch
 
 MAGIC = b"PKVB"
-VERSION = 1
-_HEAD = struct.Struct("<4sHBB16s16sQI")
+VERSION = 2  # 2: the flags byte
+_HEAD = struct.Struct("<4sHBBB16s16sQI")
+WINDOWED = 1
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int8: 4}
 
 
@@ -58,7 +63,7 @@ class EntryLayout:
         return self.header_bytes + self.payload_bytes
 
 
-def encode(layout: EntryLayout, key: bytes, block: torch.Tensor) -> bytes:
+def encode(layout: EntryLayout, key: bytes, block: torch.Tensor, windowed: bool = False) -> bytes:
     """One entry from a block's K/V (a CPU tensor of layout.shape). One copy."""
     assert tuple(block.shape) == layout.shape and block.dtype == layout.dtype
     payload = block.contiguous().view(torch.uint8).reshape(-1).numpy()
@@ -67,6 +72,7 @@ def encode(layout: EntryLayout, key: bytes, block: torch.Tensor) -> bytes:
         VERSION,
         DTYPE_CODES[layout.dtype],
         len(layout.shape),
+        WINDOWED if windowed else 0,
         layout.fingerprint,
         key,
         payload.nbytes,
@@ -76,12 +82,12 @@ def encode(layout: EntryLayout, key: bytes, block: torch.Tensor) -> bytes:
     return b"".join((head, shape, payload))
 
 
-def decode_into(layout: EntryLayout, key: bytes, data: bytes, out: torch.Tensor) -> None:
-    """Check an entry and copy its payload into `out` (contiguous, CPU, layout.shape).
-    Raises BadEntry; `out` is then unspecified."""
+def decode_into(layout: EntryLayout, key: bytes, data: bytes, out: torch.Tensor) -> bool:
+    """Check an entry and copy its payload into `out` (contiguous, CPU, layout.shape);
+    returns whether it is WINDOWED. Raises BadEntry; `out` is then unspecified."""
     if len(data) < _HEAD.size:
         raise BadEntry("truncated", f"entry of {len(data)} bytes: shorter than its header")
-    magic, version, dtype, rank, fingerprint, entry_key, size, crc = _HEAD.unpack_from(data)
+    magic, version, dtype, rank, flags, fingerprint, entry_key, size, crc = _HEAD.unpack_from(data)
     if magic != MAGIC or version != VERSION:
         raise BadEntry("format", f"not a version {VERSION} entry (magic {magic!r}, v{version})")
     if fingerprint != layout.fingerprint or entry_key != key:
@@ -98,3 +104,4 @@ def decode_into(layout: EntryLayout, key: bytes, data: bytes, out: torch.Tensor)
     if zlib.crc32(payload) != crc:
         raise BadEntry("checksum", "payload checksum mismatch")
     np.copyto(out.view(torch.uint8).reshape(-1).numpy(), payload)
+    return bool(flags & WINDOWED)

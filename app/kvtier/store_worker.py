@@ -47,7 +47,7 @@ class StoreWorker:
         self.known_ttl_s = known_ttl_s
         self.max_pending_bytes = max_pending_bytes
         self.idle_s = idle_s
-        self._queue: deque[tuple[bytes, torch.Tensor]] = deque()
+        self._queue: deque[tuple[bytes, torch.Tensor, bool]] = deque()
         self._queued: set[bytes] = set()
         self._pending_bytes = 0
         self._busy = False
@@ -77,15 +77,18 @@ class StoreWorker:
                     out.append(not self.tier.contains(key))
             return out
 
-    def submit(self, keys: Sequence[bytes], blocks: torch.Tensor) -> int:
-        """Queue blocks[i] under keys[i] (a CPU tensor the caller gives up). Returns how
-        many were accepted; the rest are dropped and counted."""
+    def submit(
+        self, keys: Sequence[bytes], blocks: torch.Tensor, windowed: Sequence[bool] = ()
+    ) -> int:
+        """Queue blocks[i] under keys[i] (a CPU tensor the caller gives up), windowed[i]
+        (default: none is) its entry's WINDOWED flag. Returns how many were accepted; the
+        rest are dropped and counted."""
         size = self.layout.payload_bytes
         with self._cv:
             room = max(0, (self.max_pending_bytes - self._pending_bytes) // size)
             accepted = min(room, len(keys))
             for i in range(accepted):
-                self._queue.append((keys[i], blocks[i]))
+                self._queue.append((keys[i], blocks[i], bool(windowed) and windowed[i]))
                 self._queued.add(keys[i])
             self._pending_bytes += accepted * size
             if accepted:
@@ -120,7 +123,7 @@ class StoreWorker:
                     self._cv.wait(self.idle_s)
                 if self._stopping:
                     return
-                batch: list[tuple[bytes, torch.Tensor]] = []
+                batch: list[tuple[bytes, torch.Tensor, bool]] = []
                 while self._queue and len(batch) * self.layout.payload_bytes < BATCH_BYTES:
                     batch.append(self._queue.popleft())
                 self._busy = bool(batch)
@@ -132,16 +135,16 @@ class StoreWorker:
                 log.exception("KV tier store worker")
             finally:
                 with self._cv:
-                    for key, _ in batch:
+                    for key, _, _ in batch:
                         self._queued.discard(key)
                     self._pending_bytes -= len(batch) * self.layout.payload_bytes
                     self._busy = False
                     self._cv.notify_all()
 
-    def _write(self, batch: list[tuple[bytes, torch.Tensor]]) -> None:
+    def _write(self, batch: list[tuple[bytes, torch.Tensor, bool]]) -> None:
         t0 = time.perf_counter()
         try:
-            entries = [(key, encode(self.layout, key, block)) for key, block in batch]
+            entries = [(key, encode(self.layout, key, block, w)) for key, block, w in batch]
             self.tier.put_many(entries)
         except TierUnavailable:
             self.counters.add(stores_dropped=len(batch))
@@ -158,7 +161,7 @@ class StoreWorker:
             with self._cv:
                 if self._known_generation != self.tier.generation:
                     return  # written before an outage: maybe lost, remember nothing
-                for key, _ in batch:
+                for key, _, _ in batch:
                     self._known[key] = now
                     self._known.move_to_end(key)
                 while len(self._known) > KNOWN_KEYS:

@@ -9,7 +9,14 @@ comparison can fail."""
 
 import pytest
 
-from app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_cache_dir
+from app.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    TierConfig,
+    default_cache_dir,
+)
 from app.engine.engine import LLMEngine
 from app.engine.engine_request import EngineRequest
 from app.engine.kv_manager import KVCacheManager
@@ -38,11 +45,15 @@ def gemma(request, tmp_path_factory, tokenizer):
     return cfg, load_model(cfg)
 
 
-def engine(gemma, release: bool = True, chunk: int = 32, debug: bool = True) -> LLMEngine:
+def engine(
+    gemma, release: bool = True, chunk: int = 32, debug: bool = True, tier: bool = False
+) -> LLMEngine:
     cfg, loaded = gemma
     cache = CacheConfig(8 << 20, release_out_of_window=release)
     sched = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=8)
-    return LLMEngine(EngineConfig(cfg, cache, sched, debug_checks=debug), loaded)
+    # min_load_speedup 0: the tiny model computes faster than the tier would be worth
+    kv_tier = TierConfig("memory", min_load_speedup=0) if tier else TierConfig("none")
+    return LLMEngine(EngineConfig(cfg, cache, sched, debug_checks=debug, tier=kv_tier), loaded)
 
 
 def reply(eng: LLMEngine, prompt, session: str | None = None, rid: str = "r"):
@@ -52,7 +63,7 @@ def reply(eng: LLMEngine, prompt, session: str | None = None, rid: str = "r"):
 
 def test_a_long_prompt_and_reply_give_back_what_left_the_window(gemma):
     kept, released = engine(gemma, release=False), engine(gemma)
-    assert released.kv.window == 8 and kept.kv.window is None
+    assert released.kv.window == kept.kv.window == 8 and kept.kv._release is None
     want = reply(kept, LONG).token_ids
     assert reply(released, LONG).token_ids == want  # chunks of 32, then 24 decodes
     # 123 positions computed (the last token is only sampled): the next query, at 123,
@@ -139,3 +150,33 @@ def test_an_edited_turn_whose_pin_lost_its_window_starts_before_it(gemma):
     got = reply(released, edited, "s", "t2")
     assert got.token_ids == want.token_ids
     assert want.cached_tokens == 64 and got.cached_tokens == 0
+
+
+def lose_pool(eng: LLMEngine, session: str) -> None:
+    """The session's pin dropped and every free block's memory reused: only the tier
+    still has the conversation's K/V."""
+    eng.offload.flush()
+    eng.release_session(session)
+    pool = eng.kv.pool
+    pool.free(pool.allocate(pool.num_free_blocks))
+
+
+def test_the_tier_keeps_which_blocks_were_windowed(gemma):
+    """Blocks given back are stored in the KV tier as they are, flagged: a next turn
+    from the tier reuses the whole history (its last window is whole), and a prompt that
+    ends inside the given-back part starts before it, as from the pool."""
+    kept, released = engine(gemma, release=False, tier=True), engine(gemma, tier=True)
+    first = {eng: reply(eng, LONG, "s", "t1") for eng in (kept, released)}
+    follow = LONG + first[kept].token_ids + [11, 12, 13]
+    other = LONG[:60] + [7, 8, 9]
+    for eng in (kept, released):
+        lose_pool(eng, "s")
+    want, got = reply(kept, follow, "s", "t2"), reply(released, follow, "s", "t2")
+    assert got.token_ids == want.token_ids and got.cached_tokens == want.cached_tokens == 112
+    assert released.stats().tier_hits == 112
+    assert released.kv.pool.num_windowed >= 6  # restored as they were stored
+    for eng in (kept, released):
+        lose_pool(eng, "s")
+    want, got = reply(kept, other, rid="o"), reply(released, other, rid="o")
+    assert got.token_ids == want.token_ids
+    assert want.cached_tokens == 48 and got.cached_tokens == 0

@@ -34,6 +34,14 @@ def test_round_trip_is_bit_exact(dtype):
     assert torch.equal(decoded(lay, data).view(torch.uint8), b.view(torch.uint8))
 
 
+def test_an_entry_says_whether_its_local_layers_were_given_back():
+    lay, b = layout(), block(2)
+    out = torch.empty(lay.shape, dtype=lay.dtype)
+    assert decode_into(lay, KEY, encode(lay, KEY, b, windowed=True), out) is True
+    assert torch.equal(out, b)
+    assert decode_into(lay, KEY, encode(lay, KEY, b), out) is False
+
+
 def test_a_non_contiguous_block_is_stored_as_its_values():
     layers, kv, *rest = SHAPE
     cache = torch.randn(layers, kv, 3, *rest)  # the cache's block dimension sits inside
