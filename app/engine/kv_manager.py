@@ -165,10 +165,12 @@ class KVCacheManager:
         bs = self.block_size
         while n > 0:
             first = max(0, n - self.window + 1) // bs  # the next query's first key's block
-            gone = [i for i in range(first, -(-n // bs)) if windowed[i]]
-            if not gone:
+            gone = next((i for i in range(first, -(-n // bs)) if windowed[i]), None)
+            if gone is None:
                 return n
-            n = gone[-1] * bs  # end before the last of them, and look again
+            # Every end after that block's start has it among its last window's: end
+            # there, and look again.
+            n = gone * bs
         return 0
 
     def release_behind_window(self, request: Request) -> None:

@@ -59,3 +59,16 @@ def test_a_session_pin_covers_more_than_the_cache_to_the_token():
     nxt = kv.get_computed(request("t2", [*range(10), 50, 51], session="s"))
     assert nxt.from_pin and nxt.num_tokens == 10
     kv.check_integrity()
+
+
+def test_a_computed_prefix_ends_where_its_last_window_is_whole():
+    """With a 40-position window and blocks of 16: the longest prefix of at most n tokens
+    whose last 40 positions lie in blocks not given back (windowed)."""
+    kv = KVCacheManager(BlockPool(8), 16, window=40)
+    T, F = True, False
+    assert kv._whole_window([T, T, T, F, F, F, F], 112) == 112  # 73-111: blocks 4-6
+    assert kv._whole_window([T, T, T, F, F], 80) == 0  # 41-79 reach block 2; 32 reach 0-1
+    assert kv._whole_window([F, F, T, F], 64) == 32  # before block 2: 0-31 whole
+    assert kv._whole_window([F, F, T, F, F, F], 96) == 96  # 57-95: blocks 3-5
+    assert kv._whole_window([T, T], 0) == 0
+    assert KVCacheManager(BlockPool(8), 16)._whole_window([T, T], 32) == 32  # no window
