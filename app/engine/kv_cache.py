@@ -66,8 +66,9 @@ class KVCache:
 
     @property
     def can_release(self) -> bool:
-        """Whether release_local gives memory back (local layers, on the CPU)."""
-        return self._memory is not None and bool(self.local_layers)
+        """Whether release_local gives memory back (local layers, on the CPU, where the
+        operating system punches holes in shared memory: Linux's MADV_REMOVE)."""
+        return self._memory is not None and bool(self.local_layers) and hasattr(mmap, "MADV_REMOVE")
 
     @property
     def released_bytes_per_block(self) -> int:
