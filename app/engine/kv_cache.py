@@ -58,10 +58,10 @@ class KVCache:
         shape = (arch.num_layers, 2, self.num_blocks, cfg.block_size, arch.num_kv_heads)
         self.tensor, self._memory = _zeros((*shape, arch.head_dim), dtype, torch.device(device))
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
-        windows = {arch.layer_window(i) for i in range(arch.num_layers)} - {None}
         # The local layers and their window (one size for all of them, as in Gemma 3).
-        self.local_window: int | None = min(windows) if windows else None
         self.local_layers = [i for i in range(arch.num_layers) if arch.layer_window(i)]
+        windows = [arch.layer_window(i) or 0 for i in self.local_layers]
+        self.local_window: int | None = min(windows) if windows else None
         self.poison_released = False  # debug checks: released K/V reads as garbage, not 0
 
     @property
@@ -76,8 +76,7 @@ class KVCache:
         local layer's K and V; runs of neighbouring blocks may give back a little more)."""
         if not self.can_release or self.poison_released:
             return 0
-        per = self.bytes_per_block // (2 * self.arch.num_layers)
-        return 2 * len(self.local_layers) * (per // mmap.PAGESIZE * mmap.PAGESIZE)
+        return 2 * len(self.local_layers) * (self._slice_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
 
     def release_local(self, block_ids: Iterable[int]) -> None:
         """Give back the memory these blocks hold in the local layers: none of those layers
@@ -88,8 +87,7 @@ class KVCache:
         if not ids or not self.can_release:
             return
         assert self._memory is not None
-        per = self.bytes_per_block // (2 * self.arch.num_layers)  # one layer's K or V
-        page = mmap.PAGESIZE
+        per, page = self._slice_bytes, mmap.PAGESIZE
         for first, last in _runs(ids):
             for layer in self.local_layers:
                 for kv in (0, 1):
@@ -101,6 +99,11 @@ class KVCache:
                     end = (base + (last + 1) * per) // page * page
                     if end > start:
                         self._memory.madvise(mmap.MADV_REMOVE, start, end - start)
+
+    @property
+    def _slice_bytes(self) -> int:
+        """One block's bytes in one layer's K (or V)."""
+        return self.bytes_per_block // (2 * self.arch.num_layers)
 
     @property
     def nbytes(self) -> int:

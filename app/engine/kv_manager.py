@@ -145,9 +145,7 @@ class KVCacheManager:
     def _take_tier(self, best: ComputedPrefix, prefix: TierPrefix) -> None:
         """`best` goes on with the tier's blocks, as far as its last window is whole."""
         bs = self.block_size
-        flags = [b.windowed for b in best.blocks] + list(
-            prefix.windowed or [False] * prefix.num_blocks
-        )
+        flags = [b.windowed for b in best.blocks] + list(prefix.windowed)
         n = self._whole_window(flags, len(flags) * bs)
         tier = prefix.first(n // bs - len(best.blocks))
         if tier is None:  # the pool's part alone (whole on its own)

@@ -56,7 +56,7 @@ class TierPrefix:
     start: int
     hashes: tuple[bytes, ...]
     payload: torch.Tensor  # (num_blocks, layers, 2, block_size, kv_heads, head_dim), CPU
-    windowed: tuple[bool, ...] = ()  # per block: its local layers' K/V was given back
+    windowed: tuple[bool, ...]  # per block: its local layers' K/V was given back
 
     @property
     def num_blocks(self) -> int:
