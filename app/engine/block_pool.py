@@ -1,18 +1,29 @@
-"""KV blocks: reference counts, an LRU free queue, and the prefix-hash map.
+"""KV blocks: reference counts, an LRU free queue, the prefix-hash map, and the memory
+they hold.
 
 A block whose reference count drops to zero keeps its hash and joins the tail of the free
 queue; allocation takes from the head and only then forgets the hash. So a freed prefix
 stays reusable (a cache hit revives it) until its memory is actually needed, and the
 blocks freed longest ago are overwritten first.
 
+Memory, not block count, is what the pool is limited by. A block holds a full block's bytes
+once written, and fewer once `windowed` (its local layers' K/V given back: Gemma 3's
+sliding window, KVCacheManager.release_behind_window). With such a model the pool may have
+more block ids than its memory holds full blocks (KVCache sizes its memory map for them,
+pages given out only as written), so the memory a long conversation gave back holds other
+conversations' tokens, as vLLM's hybrid allocator's separate pools do. When a new block
+needs memory that cached free blocks hold, the least recently freed of them are dropped
+(hash forgotten, memory given back whole: `drop`). Without windowed blocks, or when their
+memory is not given back, every block costs the same and this is a plain block pool.
+
 Block 0 is the null block: block tables are padded with it, it is never handed out.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
-from itertools import islice
+from collections.abc import Callable, Iterable
 
 NULL_BLOCK = 0
 
@@ -20,7 +31,7 @@ NULL_BLOCK = 0
 class Block:
     """One block of `block_size` token slots in every layer's K and V."""
 
-    __slots__ = ("block_hash", "block_id", "ref_count", "windowed")
+    __slots__ = ("block_hash", "block_id", "ref_count", "resident", "windowed")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -29,6 +40,7 @@ class Block:
         # Its K/V in the local (sliding-window) layers was given back: only a query more
         # than a window after it may use it (KVCacheManager.release_behind_window).
         self.windowed = False
+        self.resident = False  # written since its memory was last given back (or ever)
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -37,30 +49,55 @@ class Block:
 
 class BlockPool:
     """Owns every block. Callers check `num_free_blocks` before `allocate` (check, then
-    commit); the pool raises on misuse instead of corrupting its state."""
+    commit); the pool raises on misuse instead of corrupting its state.
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"a block pool needs at least 2 blocks, got {num_blocks}")
+    `block_bytes` is a written block's memory and `windowed_bytes` a windowed one's
+    (default: the same); `limit_blocks` full blocks' worth is all the memory there is
+    (default: every block; the null block counts). `drop` gives whole blocks' memory back.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int = 1,
+        windowed_bytes: int | None = None,
+        limit_blocks: int | None = None,
+        drop: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        limit_blocks = num_blocks if limit_blocks is None else limit_blocks
+        if min(num_blocks, limit_blocks) < 2 or limit_blocks > num_blocks:
+            raise ValueError(
+                f"a block pool needs at least 2 blocks and memory for at least 2 "
+                f"(and for no more than it has), got {num_blocks} and {limit_blocks}"
+            )
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.blocks[NULL_BLOCK].ref_count = 1  # held forever: never free, never allocated
-        # Insertion order is the LRU order: head = freed longest ago = next to reuse.
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.block_bytes = block_bytes
+        self.windowed_bytes = block_bytes if windowed_bytes is None else windowed_bytes
+        self.limit = limit_blocks * block_bytes
+        self._drop = drop
+        null = self.blocks[NULL_BLOCK]
+        null.ref_count, null.resident = 1, True  # held forever: never free, never allocated
+        self.held = self.resident = block_bytes  # bytes of held blocks / of all written ones
+        # Free blocks that hold K/V, in LRU order: head = freed longest ago = next to reuse.
+        self._free: OrderedDict[int, Block] = OrderedDict()
+        # Free blocks that hold no memory (never written, or dropped), highest id first:
+        # taken from the end, lowest first, so that the written part stays at the start.
+        self._empty = list(range(num_blocks - 1, 0, -1))
         self._cached: dict[bytes, Block] = {}
-        # Blocks handed out at least once. Fresh blocks leave the queue in id order, so
-        # these are blocks 1..num_touched: the part of the K/V memory ever written (the
-        # pool's pages become resident on first write; see kv_cache).
-        self.num_touched = 0
         self.num_windowed = 0  # blocks whose local layers' K/V was given back
 
     @property
     def num_blocks(self) -> int:
-        """Blocks that can hold tokens (the null block excluded)."""
-        return len(self.blocks) - 1
+        """Full blocks the pool's memory holds (the null block excluded): the most tokens
+        one request can ever have is this many blocks' worth."""
+        return self.limit // self.block_bytes - 1
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """How many blocks `allocate` can give now: as many as there are free ids and
+        memory for at full size, counting what cached free blocks hold as memory (they
+        are dropped for it)."""
+        return min(len(self._free) + len(self._empty), (self.limit - self.held) // self.block_bytes)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -68,39 +105,84 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by someone (0.0 - 1.0)."""
+        """Fraction of the pool's memory held by someone (0.0 - 1.0)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def cost(self, block: Block) -> int:
+        """The memory `block` holds now."""
+        if not block.resident:
+            return 0
+        return self.windowed_bytes if block.windowed else self.block_bytes
 
     def get_cached(self, block_hash: bytes) -> Block | None:
         return self._cached.get(block_hash)
 
     def allocate(self, n: int) -> list[Block]:
-        """Take n blocks from the head of the free queue, forgetting their old hashes."""
-        if n > len(self._free):
-            raise RuntimeError(f"cannot allocate {n} blocks: only {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            _, block = self._free.popitem(last=False)
-            if block.block_hash is not None:
-                del self._cached[block.block_hash]
-                block.block_hash = None
-            if block.windowed:  # its new holder writes every layer afresh
-                block.windowed = False
-                self.num_windowed -= 1
+        """Take n blocks, forgetting their old hashes: unwritten ones while there is memory
+        for them, then from the head of the free queue; then drop the least recently freed
+        cached blocks until what is written fits the memory again."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
+        take, drop = self._plan(n)
+        for block in take:
+            if block.resident:
+                del self._free[block.block_id]
+            else:
+                self._empty.pop()  # _plan took them from the end, in order
+            self.resident += self.block_bytes - self.cost(block)
+            self._forget(block)
+            block.resident = True  # its new holder writes every layer
             block.ref_count = 1
-            self.num_touched = max(self.num_touched, block.block_id)
-            out.append(block)
-        return out
+            self.held += self.block_bytes
+        for block in drop:
+            del self._free[block.block_id]
+            self.resident -= self.cost(block)
+            self._forget(block)
+            block.resident = False
+            bisect.insort(self._empty, block.block_id, key=lambda i: -i)  # descending
+        if drop and self._drop is not None:
+            self._drop([b.block_id for b in drop])
+        return take
+
+    def _plan(self, n: int) -> tuple[list[Block], list[Block]]:
+        """The blocks allocate(n) takes, and those it drops to make room."""
+        empty = self._empty[: -n - 1 : -1]  # its last n, last first
+        lru = iter(self._free.values())
+        resident, take = self.resident, []
+        for _ in range(n):
+            if empty and resident + self.block_bytes <= self.limit:
+                block = self.blocks[empty.pop(0)]
+            else:
+                block = next(lru)
+            resident += self.block_bytes - self.cost(block)
+            take.append(block)
+        drop = []
+        while resident > self.limit:
+            block = next(lru)
+            resident -= self.cost(block)
+            drop.append(block)
+        return take, drop
+
+    def _forget(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+        if block.windowed:
+            block.windowed = False
+            self.num_windowed -= 1
 
     def peek_free(self, n: int) -> list[Block]:
-        """The blocks the next allocate(n) would take (their hashes are about to go)."""
-        return list(islice(self._free.values(), n))
+        """The written blocks the next allocate(n) would take or drop (their hashes and
+        K/V are about to go)."""
+        take, drop = self._plan(n)
+        return [b for b in take if b.resident] + drop
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block (a prefix-cache hit); revives free ones."""
         for block in blocks:
             if block.ref_count == 0:
                 del self._free[block.block_id]
+                self.held += self.cost(block)
             block.ref_count += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -113,6 +195,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = block
+                self.held -= self.cost(block)
 
     def cache_block(self, block: Block, block_hash: bytes) -> bool:
         """Register a full, computed block under its hash. Returns False when another
@@ -131,11 +214,15 @@ class BlockPool:
         return True
 
     def mark_windowed(self, blocks: Iterable[Block]) -> None:
-        """These blocks' local-layer K/V was given back."""
+        """These held blocks' local-layer K/V was given back."""
         for block in blocks:
             if not block.windowed:
+                less = self.cost(block)
                 block.windowed = True
                 self.num_windowed += 1
+                less -= self.cost(block)
+                self.resident -= less
+                self.held -= less if block.ref_count else 0
 
     def cached_hashes(self, limit: int) -> list[bytes]:
         """The hashes of at most `limit` findable blocks, the most recently cached last
@@ -160,12 +247,18 @@ class BlockPool:
         """
         assert self.blocks[NULL_BLOCK].ref_count == 1, "null block reference changed"
         assert NULL_BLOCK not in self._free, "null block in the free queue"
-        used = 0
+        used, held, resident = 0, self.block_bytes, self.block_bytes
+        empty = set(self._empty)
+        assert self._empty == sorted(empty, reverse=True), "empty blocks out of order"
         for block in self.blocks[1:]:
             assert block.ref_count >= 0, f"{block} has a negative reference count"
-            in_free = block.block_id in self._free
+            in_free = block.block_id in self._free or block.block_id in empty
             assert in_free == (block.ref_count == 0), f"{block}: free queue disagrees"
+            assert (block.block_id in empty) == (not block.resident), f"{block}: memory"
+            assert block.resident or not (block.windowed or block.block_hash), f"{block}"
             used += block.ref_count > 0
+            held += self.cost(block) if block.ref_count else 0
+            resident += self.cost(block)
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) is block, f"{block}: hash not mapped"
             if holders is not None:
@@ -173,7 +266,9 @@ class BlockPool:
                     f"{block}: ref count {block.ref_count} but "
                     f"{holders.get(block.block_id, 0)} holders"
                 )
-        assert used + len(self._free) == self.num_blocks, "free + used != total"
+        assert used + len(self._free) + len(empty) == len(self.blocks) - 1, "free + used != all"
+        assert (held, resident) == (self.held, self.resident), "memory miscounted"
+        assert held <= resident <= self.limit, f"{resident} bytes written, {self.limit} there"
         windowed = sum(b.windowed for b in self.blocks)
         assert windowed == self.num_windowed, f"{windowed} windowed, {self.num_windowed} counted"
         for h, block in self._cached.items():

@@ -88,8 +88,16 @@ class LLMEngine:
         if config.cache.release_out_of_window and self.kv_cache.can_release:
             release = self.kv_cache.release_local
             self.kv_cache.poison_released = config.debug_checks
+        cache = self.kv_cache
+        pool = BlockPool(
+            cache.num_blocks,
+            cache.bytes_per_block,
+            cache.windowed_bytes_per_block if release is not None else None,
+            cache.budget_blocks,
+            drop=cache.release_blocks if release is not None else None,
+        )
         self.kv = KVCacheManager(
-            BlockPool(self.kv_cache.num_blocks),
+            pool,
             config.cache.block_size,
             config.cache.enable_prefix_caching,
             self.offload,
@@ -130,9 +138,10 @@ class LLMEngine:
         self._itl_over = [0] * len(ITL_OVER)
         self._aborted: list[RequestOutput] = []
         self._next_housekeeping = 0.0
+        more = self.kv_cache.num_blocks - 1 - self.kv.pool.num_blocks
         log.info(
             "engine ready on %s: %s, %s, max_model_len %d, KV cache %d blocks x %d tokens "
-            "(%.0f MiB)",
+            "(%.0f MiB)%s",
             self.device,
             self.model_name,
             self.weight_format,
@@ -140,6 +149,9 @@ class LLMEngine:
             self.kv.pool.num_blocks,
             config.cache.block_size,
             self.kv_cache.nbytes / 2**20,
+            f", and up to {more} more in the memory the local layers' window gives back"
+            if more > 0
+            else "",
         )
 
     def close(self) -> None:
@@ -437,8 +449,7 @@ class LLMEngine:
             step=self.scheduler.last_step,
             tier_hits=s.tier_hits,
             tier=self.offload.stats() if self.offload is not None else None,
-            kv_resident_bytes=(pool.num_touched + 1) * self.kv_cache.bytes_per_block
-            - pool.num_windowed * self.kv_cache.released_bytes_per_block,
+            kv_resident_bytes=pool.resident,
             itl_gaps=self._itl_gaps,
             itl_gaps_over=tuple(self._itl_over),
             cpu_threads=self.num_threads if self.device.type == "cpu" else 0,

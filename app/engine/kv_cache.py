@@ -12,8 +12,10 @@ Local layers (Gemma 3's sliding window) never read a key that fell out of their 
 On the CPU, `release_local` gives those blocks' memory in the local layers back to the
 operating system (the pages of a shared anonymous map, punched out with MADV_REMOVE): a
 long conversation then keeps resident the K/V its global layers need and one window's
-worth in the others, as vLLM's hybrid allocator keeps, though its blocks still count in
-the pool (KVCacheManager marks them `windowed`).
+worth in the others, as vLLM's hybrid allocator keeps. The memory given back holds more
+blocks: the map is made for as many blocks as the asked-for bytes hold when every block
+is windowed (its pages are given out only as written), and the block pool keeps what is
+written within the asked-for bytes (BlockPool: `budget_blocks` full blocks' worth).
 """
 
 from __future__ import annotations
@@ -45,24 +47,45 @@ class KVCache:
         device: str | torch.device = "cpu",
     ) -> None:
         per_block = bytes_per_block(arch, cfg.block_size, dtype)
-        self.num_blocks = cfg.kv_cache_bytes // per_block
-        if self.num_blocks < 2:
+        self.budget_blocks = cfg.kv_cache_bytes // per_block  # what the asked-for bytes hold
+        if self.budget_blocks < 2:
             raise ValueError(
-                f"a KV cache of {cfg.kv_cache_bytes} bytes holds {self.num_blocks} blocks; "
+                f"a KV cache of {cfg.kv_cache_bytes} bytes holds {self.budget_blocks} blocks; "
                 f"one block of {cfg.block_size} tokens takes {per_block} bytes for this model"
             )
         self.block_size = cfg.block_size
         self.arch = arch  # the layout's heads: attention folds query heads by it
-        # Zeros, not empty: padded block tables read the null block, and masked garbage
-        # could be NaN, which survives a zero attention weight (0 * NaN = NaN).
-        shape = (arch.num_layers, 2, self.num_blocks, cfg.block_size, arch.num_kv_heads)
-        self.tensor, self._memory = _zeros((*shape, arch.head_dim), dtype, torch.device(device))
-        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
+        self.bytes_per_block = per_block
+        device = torch.device(device)
         # The local layers and their window (one size for all of them, as in Gemma 3).
         self.local_layers = [i for i in range(arch.num_layers) if arch.layer_window(i)]
         windows = [arch.layer_window(i) or 0 for i in self.local_layers]
         self.local_window: int | None = min(windows) if windows else None
         self.poison_released = False  # debug checks: released K/V reads as garbage, not 0
+        # What a windowed block still holds, when release_local gives the rest back whole
+        # pages at a time (each layer's slice of a block a whole number of pages).
+        slice_bytes = per_block // (2 * arch.num_layers)
+        self.windowed_bytes_per_block = per_block
+        if (cfg.release_out_of_window and self.local_layers and device.type == "cpu"
+                and hasattr(mmap, "MADV_REMOVE") and slice_bytes % mmap.PAGESIZE == 0):  # fmt: skip
+            self.windowed_bytes_per_block -= 2 * len(self.local_layers) * slice_bytes
+        # Checked now: a pool that cannot fit would otherwise fail only once it fills, in
+        # the middle of serving, at the hands of the OOM killer.
+        check_fits(self.budget_blocks * per_block)
+        self.num_blocks = self.budget_blocks * per_block // self.windowed_bytes_per_block
+        try:
+            self.tensor, self._memory = self._zeros(dtype, device)
+        except OSError:  # no address space for the larger map: the asked-for bytes only
+            self.num_blocks, self.windowed_bytes_per_block = self.budget_blocks, per_block
+            self.tensor, self._memory = self._zeros(dtype, device)
+        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(arch.num_layers)]
+
+    def _zeros(self, dtype: torch.dtype, device: torch.device):
+        # Zeros, not empty: padded block tables read the null block, and masked garbage
+        # could be NaN, which survives a zero attention weight (0 * NaN = NaN).
+        arch = self.arch
+        shape = (arch.num_layers, 2, self.num_blocks, self.block_size, arch.num_kv_heads)
+        return _zeros((*shape, arch.head_dim), dtype, device)
 
     @property
     def can_release(self) -> bool:
@@ -83,13 +106,23 @@ class KVCache:
         will read it again (its keys fell out of their window). It reads as zeros after,
         or, under `poison_released`, as a value far from any K/V, so that a kernel that
         read it anyway would change its output."""
+        if self.can_release:
+            self._give_back(block_ids, self.local_layers)
+
+    def release_blocks(self, block_ids: Iterable[int]) -> None:
+        """Give back the memory these blocks hold in every layer (free blocks the pool
+        drops: nobody reads them before writing them again); as release_local."""
+        if self._memory is not None:
+            self._give_back(block_ids, range(self.arch.num_layers))
+
+    def _give_back(self, block_ids: Iterable[int], layers: Iterable[int]) -> None:
         ids = sorted(set(block_ids))
-        if not ids or not self.can_release:
+        if not ids:
             return
         assert self._memory is not None
         per, page = self._slice_bytes, mmap.PAGESIZE
         for first, last in _runs(ids):
-            for layer in self.local_layers:
+            for layer in layers:
                 for kv in (0, 1):
                     if self.poison_released:
                         self.tensor[layer, kv, first : last + 1].fill_(1e4)
@@ -107,11 +140,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.nbytes // self.num_blocks
+        """The memory the K/V may hold (the map itself may be larger)."""
+        return self.budget_blocks * self.bytes_per_block
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks, every layer's K and V: (source, destination) block ids
@@ -144,9 +174,6 @@ def _zeros(
         return torch.zeros(shape, dtype=dtype, device=device), None
     count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
-    # Checked now: a pool that cannot fit would otherwise fail only once it fills, in the
-    # middle of serving, at the hands of the OOM killer.
-    check_fits(nbytes)
     # Anonymous, and shared (mmap's default; shmem to the kernel): zero-filled. (Measured
     # and not kept: a private mapping on 2 MiB pages, as the weights' arena, took the
     # attention over 6,000 keys 0.85-0.88x in a kernel bench, but the decode step deep in a

@@ -64,9 +64,16 @@ def test_check_integrity_catches_a_wrong_reference_count():
 class PoolMachine(RuleBasedStateMachine):
     """Random allocate / share / cache / free sequences against a model of the holders."""
 
-    @initialize(num_blocks=st.integers(2, 24))
-    def setup(self, num_blocks):
-        self.pool = BlockPool(num_blocks)
+    @initialize(num_blocks=st.integers(2, 24), windowed=st.booleans(), data=st.data())
+    def setup(self, num_blocks, windowed, data):
+        """A plain pool, or one whose windowed blocks keep 1 of 6 bytes, with ids for up
+        to 6 times the full blocks its memory holds."""
+        self.dropped: list[int] = []
+        if windowed:
+            limit = data.draw(st.integers(max(2, num_blocks // 6), num_blocks))
+            self.pool = BlockPool(num_blocks, 6, 1, limit, drop=self.dropped.extend)
+        else:
+            self.pool = BlockPool(num_blocks)
         self.holders: list[list[int]] = []  # each holder: a block table
         self.next_hash = 0
 
@@ -76,9 +83,21 @@ class PoolMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError):
                 self.pool.allocate(n)
             return
+        will_go = self.pool.peek_free(n)
+        self.dropped.clear()
         blocks = self.pool.allocate(n)
         assert all(b.ref_count == 1 and b.block_hash is None for b in blocks)
+        assert all(not b.windowed for b in blocks)
+        # Whatever lost its K/V was announced, and only dropped blocks lost it all.
+        assert set(self.dropped) <= {b.block_id for b in will_go} - {b.block_id for b in blocks}
+        assert not any(self.pool.blocks[i].resident for i in self.dropped)
         self.holders.append([b.block_id for b in blocks])
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def window(self, data):
+        table = data.draw(st.sampled_from(self.holders))
+        self.pool.mark_windowed([self.pool.blocks[data.draw(st.sampled_from(table))]])
 
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
@@ -122,12 +141,71 @@ TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
-def test_touched_blocks_count_each_block_once_in_id_order():
-    pool = BlockPool(10)
+def test_written_blocks_are_counted_once_each_in_id_order():
+    pool = BlockPool(10, block_bytes=100)
     a = pool.allocate(3)
-    assert pool.num_touched == 3
+    assert pool.resident == 4 * 100  # the null block and blocks 1-3
     pool.free(a)
-    pool.allocate(2)  # fresh blocks first (4, 5), the freed ones wait at the tail
-    assert pool.num_touched == 5
+    assert [b.block_id for b in pool.allocate(2)] == [4, 5]  # unwritten first
+    assert pool.resident == 6 * 100
     pool.allocate(4)  # 6..9: every block written once
-    assert pool.num_touched == 9 == pool.num_blocks
+    assert pool.resident == 10 * 100 and pool.num_free_blocks == 3  # 1-3, reused in place
+
+
+def windowed_pool(num_blocks=13, limit_blocks=5, dropped=None):
+    """Blocks of 6 bytes that keep 1 once windowed: memory for 5 full blocks, ids for 13."""
+    drop = dropped.extend if dropped is not None else None
+    return BlockPool(num_blocks, 6, 1, limit_blocks, drop=drop)
+
+
+def test_memory_given_back_by_windowed_blocks_holds_more_blocks():
+    pool = windowed_pool()
+    assert pool.num_blocks == 4 and pool.num_free_blocks == 4
+    a = pool.allocate(4)
+    assert pool.num_free_blocks == 0
+    pool.mark_windowed(a[:3])  # 3 x 5 bytes given back: room for 2 more full blocks
+    assert pool.num_free_blocks == 2 and pool.usage == 0.5
+    b = pool.allocate(2)
+    assert [x.block_id for x in b] == [5, 6] and pool.resident == 6 + 3 * 1 + 3 * 6
+    pool.check_integrity(Counter(x.block_id for x in a + b))
+
+
+def test_cached_free_blocks_are_dropped_for_memory_least_recently_freed_first():
+    dropped = []
+    pool = windowed_pool(dropped=dropped)
+    a = pool.allocate(4)
+    pool.mark_windowed(a[:2])  # blocks 1 and 2 keep 1 byte each: 20 bytes written
+    for i, block in enumerate(a):
+        pool.cache_block(block, bytes([i]))
+    pool.free(a)  # in this order: block 1 freed first
+    (b,) = pool.allocate(1)  # room for an unwritten block: the cached ones stay
+    assert b.block_id == 5 and not dropped and pool.num_cached_blocks == 4
+    # No room: the free queue's head is reused. It was windowed: its 5 bytes come back,
+    # and the next cached block's memory makes room for them.
+    assert pool.peek_free(1) == [pool.blocks[1], pool.blocks[2]]
+    (c,) = pool.allocate(1)
+    assert c.block_id == 1 and dropped == [2] and pool.resident == pool.limit == 30
+    assert not pool.blocks[2].resident and pool.get_cached(bytes([1])) is None
+    assert pool.get_cached(bytes([2])) is pool.blocks[3]  # a full one is kept
+    pool.check_integrity(Counter([1, 5]))
+    # A dropped block is unwritten again: the lowest such id comes first.
+    pool.mark_windowed([b, c])
+    assert [x.block_id for x in pool.allocate(1)] == [2]
+    pool.check_integrity(Counter([1, 2, 5]))
+
+
+def test_reusing_a_windowed_free_block_costs_its_local_layers_again():
+    pool = windowed_pool(num_blocks=7, limit_blocks=3)
+    (a,) = pool.allocate(1)
+    pool.mark_windowed([a])
+    pool.cache_block(a, b"a")
+    pool.free([a])
+    assert pool.resident == 6 + 1 and pool.num_free_blocks == 2
+    pool.touch([a])  # a hit revives it as it is: 1 byte held
+    assert pool.held == 7 and a.windowed
+    pool.free([a])
+    # Block 2 fits (13 bytes), a second unwritten one would not (19): block 1 is reused,
+    # its local layers written again.
+    assert [x.block_id for x in pool.allocate(2)] == [2, 1]
+    assert pool.resident == pool.limit == 18 and not a.windowed and a.block_hash is None
+    pool.check_integrity(Counter([1, 2]))

@@ -46,10 +46,15 @@ def gemma(request, tmp_path_factory, tokenizer):
 
 
 def engine(
-    gemma, release: bool = True, chunk: int = 32, debug: bool = True, tier: bool = False
+    gemma,
+    release: bool = True,
+    chunk: int = 32,
+    debug: bool = True,
+    tier: bool = False,
+    cache_bytes: int = 8 << 20,
 ) -> LLMEngine:
     cfg, loaded = gemma
-    cache = CacheConfig(8 << 20, release_out_of_window=release)
+    cache = CacheConfig(cache_bytes, release_out_of_window=release)
     sched = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=8)
     # min_load_speedup 0: the tiny model computes faster than the tier would be worth
     kv_tier = TierConfig("memory", min_load_speedup=0) if tier else TierConfig("none")
@@ -81,6 +86,35 @@ def test_the_memory_given_back_shows_in_the_resident_bytes(gemma):
     assert released.kv_cache.released_bytes_per_block == 5 * 2 * 4096
     less = kept.stats().kv_resident_bytes - released.stats().kv_resident_bytes
     assert less == 6 * 5 * 2 * 4096
+
+
+def test_the_memory_given_back_holds_more_conversations(gemma):
+    """Memory for 19 blocks of 16 tokens; four requests of 124 tokens need 8 blocks each.
+    Keeping everything, they take turns (preemptions); giving back what left the window
+    (5 of a block's 6 layers), all four run at once, in more blocks than the memory holds
+    full, and what is written stays within the memory asked for (BlockPool's
+    check_integrity, every step). The replies are the same either way."""
+    per_block = engine(gemma).kv_cache.bytes_per_block
+    kept, released = (engine(gemma, r, cache_bytes=20 * per_block) for r in (False, True))
+    assert kept.kv.pool.num_blocks == released.kv.pool.num_blocks == 19
+    assert (kept.kv_cache.num_blocks, released.kv_cache.num_blocks) == (20, 6 * 20)
+    prompts = [LONG[i:] + LONG[:i] for i in (0, 25, 50, 75)]
+    replies, peaks = [], []
+    for eng in (kept, released):
+        for i, p in enumerate(prompts):
+            eng.add_request(EngineRequest(p, GREEDY, str(i)))
+        pool, held = eng.kv.pool, [0]
+
+        def count(_, pool=pool, held=held):
+            held[0] = max(held[0], sum(b.ref_count > 0 for b in pool.blocks[1:]))
+
+        got = run(eng, before_step=count)
+        replies.append([got[str(i)].token_ids for i in range(4)])
+        peaks.append(held[0])
+    assert replies[0] == replies[1]
+    assert kept.stats().num_preemptions > 0 and peaks[0] <= 19
+    assert released.stats().num_preemptions == 0 and peaks[1] > 19
+    assert released.stats().kv_resident_bytes <= 20 * per_block
 
 
 def test_batched_replies_release_and_keep_their_bits(gemma):
