@@ -432,6 +432,31 @@ inline __m512 score_block_bf16(const uint16_t* a, const uint16_t* b, const uint1
   }
   return reduce16(lanes);
 }
+
+// One query vector's scores (a bf16 row of kD as stored) against 16 keys as prefill_span
+// copies them (`transposed`): kt[p * 16 + j] holds dims 2p and 2p + 1 of key j. The same
+// operations as score_block_bf16, in another arrangement: register l holds the 16 keys'
+// lane-l sums (each vdpbf16ps takes the query's pair p = 16 c + l, broadcast, against
+// the keys' pair p), and dot_lanes' tree (lanes l + l + 8, + 4, + 2, + 1) becomes adds of
+// whole registers, where reduce16 needed shuffles to bring the lanes together. So the
+// bits are score_block_bf16's.
+template <int64_t kD>
+inline __m512 score_block16(const uint16_t* q, const uint32_t* kt) {
+  constexpr int64_t kP = kD / 32;
+  __m512 part[16];
+  for (int l = 0; l < 16; ++l) part[l] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kP; ++c)
+    for (int l = 0; l < 16; ++l) {
+      const __m512bh keys = (__m512bh)_mm512_loadu_si512(kt + (16 * c + l) * 16);
+      // The query's pair as the second operand, broadcast from memory within the
+      // instruction (each product is exact: which operand is which changes nothing).
+      const __m512i pair = _mm512_broadcastd_epi32(_mm_loadu_si32(q + 32 * c + 2 * l));
+      part[l] = _mm512_dpbf16_ps(part[l], keys, (__m512bh)pair);
+    }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] = _mm512_add_ps(part[l], part[l + w]);
+  return part[0];
+}
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -1145,56 +1170,67 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   };
   const int64_t n = keys(r1 - 1);
   // Keys before the first row's window are neither read nor copied; the copy starts at a
-  // multiple of 8 (the score blocks') so that every key a block reads was written.
-  const int64_t least = std::min(n, lower(r0) / 8 * 8);
+  // multiple of 16 (the score blocks' 8 or 16) so that every key a block reads was written.
+  const int64_t least = std::min(n, lower(r0) / 16 * 16);
   // The span's K and V rows of head h, widened to fp32 once for all the tile's vectors,
   // then 16 rows of zeros (a block of dot products may read past a row's last key).
 #if defined(__AVX512BF16__)
-  // With AVX-512 BF16 the dot products take the K rows as stored (vdpbf16ps): they are
-  // copied into kf's memory as bf16 instead of widened.
+  // With AVX-512 BF16 the dot products take the K rows as stored (vdpbf16ps), each 16
+  // keys' pairs of dims transposed into kf's memory (score_block16), from key `least` on.
   constexpr bool kDot = kPairs<T> && kD > 0 && kD % 32 == 0;
 #else
   constexpr bool kDot = false;
 #endif
-  uint16_t* kb = reinterpret_cast<uint16_t*>(kf);
+  uint32_t* kt = reinterpret_cast<uint32_t*>(kf);
+  const auto transposed = [&](int64_t j) {  // where key j's pair 0 goes; pair p at + 16 p
+    return kt + (j - least) / 16 * (kD / 2) * 16 + (j - least) % 16;
+  };
   for (int64_t pos = first + least; pos < first + n; ++pos) {
     const int64_t at = ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
-    if constexpr (kDot)
-      std::memcpy(kb + (pos - first) * D, k_cache + at, D * sizeof(T));
-    else
+    if constexpr (kDot) {
+      uint32_t* to = transposed(pos - first);
+      for (int64_t p = 0; p < kD / 2; ++p) std::memcpy(to + p * 16, k_cache + at + 2 * p, 4);
+    } else {
       widen_qk(k_cache + at, kf + (pos - first) * D, D);
+    }
     widen_row(v_cache + at, vf + (pos - first) * D, D);
   }
-  if constexpr (kDot)
-    std::fill_n(kb + n * D, 16 * D, uint16_t{0});
-  else
+  if constexpr (kDot) {
+    for (int64_t j = n; j < (n + 15) / 16 * 16; ++j)  // the last block's keys past n
+      for (int64_t p = 0; p < kD / 2; ++p) transposed(j)[p * 16] = 0;
+  } else {
     std::fill_n(kf + n * D, 16 * D, 0.f);
+  }
   std::fill_n(vf + n * D, 16 * D, 0.f);
   const int64_t rows = r1 - r0, qvecs = rows * G;
+  // Each query vector's keys, [lo[v], hi[v]), and where it is in q: its row's (vector v is
+  // row r0 + v / G, query head h * G + v % G), found once here rather than divided out in
+  // the loops below.
+  thread_local std::vector<int64_t> bounds;
+  if (static_cast<int64_t>(bounds.size()) < 3 * qvecs) bounds.resize(3 * qvecs);
+  int64_t *lo = bounds.data(), *hi = lo + qvecs, *at_q = hi + qvecs;
+  for (int64_t r = 0, v = 0; r < rows; ++r)
+    for (int64_t g = 0; g < G; ++g, ++v) {
+      lo[v] = lower(r0 + r), hi[v] = keys(r0 + r);
+      at_q[v] = ((r0 + r) * H + h * G + g) * D;
+    }
   if constexpr (!kDot)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t g = 0; g < G; ++g)
-        widen_qk(q + ((r0 + r) * H + h * G + g) * D, qf + (r * G + g) * D, D);
+    for (int64_t v = 0; v < qvecs; ++v) widen_qk(q + at_q[v], qf + v * D, D);
   // Scores, for each query vector its row's keys (rounded up to 8). With AVX-512, two query
   // vectors at a time over a block of 8 keys (each K row loaded once for both), their 16
   // dot products reduced together; the tile's K block stays in L1 for all its vectors.
 #if defined(__AVX512BF16__)
   if constexpr (kDot) {
-    // As below, with vdpbf16ps on the rows as stored: 32 products an instruction, in the
-    // order widen_qk's layout gives the fp32 loops.
-    const auto q_of = [&](int64_t v) {
-      return reinterpret_cast<const uint16_t*>(q + ((r0 + v / G) * H + h * G + v % G) * kD);
-    };
-    for (int64_t j0 = least; j0 < n; j0 += 8) {
-      const uint16_t* kr[8];
-      for (int i = 0; i < 8; ++i) kr[i] = kb + (j0 + i) * kD;
-      for (int64_t v = 0; v < qvecs; v += 2) {
-        const int64_t w = std::min(v + 1, qvecs - 1);
-        if (j0 >= keys(r0 + w / G) || j0 + 8 <= lower(r0 + v / G)) continue;
-        const __m512 out = score_block_bf16<kD>(q_of(v), q_of(w), kr);
-        _mm256_storeu_ps(scores + v * kSpan + j0, _mm512_castps512_ps256(out));
-        _mm256_storeu_ps(scores + w * kSpan + j0,
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)));
+    // vdpbf16ps on the rows as stored: 32 products an instruction, in the order widen_qk's
+    // layout gives the fp32 loops; a query vector over a block of 16 keys at a time, the
+    // block's keys in L1 for all the tile's vectors. (The block is 16-aligned from
+    // `least`, and least, a multiple of 16, and n <= kSpan keep it inside a score row.)
+    for (int64_t j0 = least; j0 < n; j0 += 16) {
+      const uint32_t* block = transposed(j0);
+      for (int64_t v = 0; v < qvecs; ++v) {
+        if (j0 >= hi[v] || j0 + 16 <= lo[v]) continue;
+        const uint16_t* qv = reinterpret_cast<const uint16_t*>(q + at_q[v]);
+        _mm512_storeu_ps(scores + v * kSpan + j0, score_block16<kD>(qv, block));
       }
     }
   } else
@@ -1206,7 +1242,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
       for (int64_t v = 0; v < qvecs; v += 2) {
         const int64_t w = std::min(v + 1, qvecs - 1);  // a last vector alone pairs with itself
         // w's row is v's or after it: the most keys, and the window's start the latest
-        if (j0 >= keys(r0 + w / G) || j0 + 8 <= lower(r0 + v / G)) continue;
+        if (j0 >= hi[w] || j0 + 8 <= lo[v]) continue;
         __m512 qa[kC], qb[kC], lanes[16];
         for (int64_t c = 0; c < kC; ++c) {
           qa[c] = _mm512_loadu_ps(qf + v * kD + c * kLanes);
@@ -1237,7 +1273,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
       const float* kr[8];
       for (int i = 0; i < 8; ++i) kr[i] = kf + (j0 + i) * kD;
       for (int64_t v = 0; v < qvecs; ++v) {
-        if (j0 >= keys(r0 + v / G) || j0 + 8 <= lower(r0 + v / G)) continue;
+        if (j0 >= hi[v] || j0 + 8 <= lo[v]) continue;
         _mm256_storeu_ps(scores + v * kSpan + j0, score_block8<kD>(qf + v * kD, kr));
       }
     }
@@ -1245,9 +1281,9 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 #endif
   {
     for (int64_t v = 0; v < qvecs; ++v) {
-      const int64_t nv = keys(r0 + v / G);
+      const int64_t nv = hi[v];
       const float* qv = qf + v * D;
-      for (int64_t j = lower(r0 + v / G); j < nv; ++j) {
+      for (int64_t j = lo[v]; j < nv; ++j) {
         const float* kr = kf + j * D;
         scores[v * kSpan + j] = lane_sum(D, [&](int64_t d) { return qv[d] * kr[d]; });
       }
@@ -1279,10 +1315,10 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     return partial + v * D;  // row r0 + v / G, query head v % G
   };
   const auto start_of = [&](int64_t v, int64_t j0) {
-    return std::max(lower(r0 + v / G), j0);
+    return std::max(lo[v], j0);
   };
   const auto stop_of = [&](int64_t v, int64_t j0) {
-    return std::min(keys(r0 + v / G), j0 + kBlock);
+    return std::min(hi[v], j0 + kBlock);
   };
   // a += p_j * v_j for j in [from, to), one vector: the portable loop.
   const auto single = [&](int64_t v, int64_t from, int64_t to) {
@@ -1320,7 +1356,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
             __m512 row[kCc];
             for (int64_t c = 0; c < kCc; ++c) {
               row[c] = _mm512_loadu_ps(vr + c * kLanes);
-              asm("" : "+v"(row[c]));  // kept in a register: gcc would load it for every FMA
+              asm("" : : "v"(row[c]));  // in a register: gcc would load it for every FMA
             }
             for (int64_t k = 0; k < kGroup; ++k) {
               const __m512 pj = _mm512_set1_ps(scores[(v + k) * kSpan + j]);
