@@ -448,8 +448,8 @@ inline __m512 score_block16(const uint16_t* q, const uint32_t* kt) {
   for (int64_t c = 0; c < kP; ++c)
     for (int l = 0; l < 16; ++l) {
       const __m512bh keys = (__m512bh)_mm512_loadu_si512(kt + (16 * c + l) * 16);
-      // The query's pair as the second operand, broadcast from memory within the
-      // instruction (each product is exact: which operand is which changes nothing).
+      // The query's pair broadcast (a load) as the second operand: each product is
+      // exact, so which operand is which changes nothing.
       const __m512i pair = _mm512_broadcastd_epi32(_mm_loadu_si32(q + 32 * c + 2 * l));
       part[l] = _mm512_dpbf16_ps(part[l], keys, (__m512bh)pair);
     }
