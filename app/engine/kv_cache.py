@@ -93,14 +93,6 @@ class KVCache:
         operating system punches holes in shared memory: Linux's MADV_REMOVE)."""
         return self._memory is not None and bool(self.local_layers) and hasattr(mmap, "MADV_REMOVE")
 
-    @property
-    def released_bytes_per_block(self) -> int:
-        """Memory release_local gives back for one block (at least: whole pages of each
-        local layer's K and V; runs of neighbouring blocks may give back a little more)."""
-        if not self.can_release or self.poison_released:
-            return 0
-        return 2 * len(self.local_layers) * (self._slice_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
-
     def release_local(self, block_ids: Iterable[int]) -> None:
         """Give back the memory these blocks hold in the local layers: none of those layers
         will read it again (its keys fell out of their window). It reads as zeros after,
