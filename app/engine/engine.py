@@ -88,14 +88,10 @@ class LLMEngine:
         if config.cache.release_out_of_window and self.kv_cache.can_release:
             release = self.kv_cache.release_local
             self.kv_cache.poison_released = config.debug_checks
-        cache = self.kv_cache
-        pool = BlockPool(
-            cache.num_blocks,
-            cache.bytes_per_block,
-            cache.windowed_bytes_per_block if release is not None else None,
-            cache.budget_blocks,
-            drop=cache.release_blocks if release is not None else None,
-        )
+        cache = self.kv_cache  # a windowed block costs less only where release gives back
+        pool = BlockPool(cache.num_blocks, cache.bytes_per_block,
+                         cache.windowed_bytes_per_block, cache.budget_blocks,
+                         drop=cache.release_blocks)  # fmt: skip
         self.kv = KVCacheManager(
             pool,
             config.cache.block_size,

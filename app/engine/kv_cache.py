@@ -64,7 +64,7 @@ class KVCache:
         self.poison_released = False  # debug checks: released K/V reads as garbage, not 0
         # What a windowed block still holds, when release_local gives the rest back whole
         # pages at a time (each layer's slice of a block a whole number of pages).
-        slice_bytes = per_block // (2 * arch.num_layers)
+        slice_bytes = self._slice_bytes
         self.windowed_bytes_per_block = per_block
         if (cfg.release_out_of_window and self.local_layers and device.type == "cpu"
                 and hasattr(mmap, "MADV_REMOVE") and slice_bytes % mmap.PAGESIZE == 0):  # fmt: skip
