@@ -433,29 +433,90 @@ inline __m512 score_block_bf16(const uint16_t* a, const uint16_t* b, const uint1
   return reduce16(lanes);
 }
 
-// One query vector's scores (a bf16 row of kD as stored) against 16 keys as prefill_span
+// out[p] = {in[0][p], ..., in[15][p]}: a 16 x 16 transpose of 32-bit words, in three
+// rounds of shuffles (pairs of words, of double words, of 128-bit lanes).
+inline void transpose16(const __m512i* in, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // lane k of t[2i]: rows 2i, 2i + 1 at words 4k, 4k + 1
+    t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // lane k of u[4i + m]: rows 4i .. 4i + 3 at word 4k + m
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // out[4k + m]: lane k of u[m], u[4 + m], u[8 + m], u[12 + m]
+    const __m512i a0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88);  // lanes 0, 2
+    const __m512i a1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd);  // lanes 1, 3
+    const __m512i b0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
+    const __m512i b1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
+    out[m] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    out[4 + m] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    out[8 + m] = _mm512_shuffle_i32x4(a0, b0, 0xdd);
+    out[12 + m] = _mm512_shuffle_i32x4(a1, b1, 0xdd);
+  }
+}
+
+// NV query vectors' scores (bf16 rows of kD as stored) against 16 keys as prefill_span
 // copies them (`transposed`): kt[p * 16 + j] holds dims 2p and 2p + 1 of key j. The same
-// operations as score_block_bf16, in another arrangement: register l holds the 16 keys'
-// lane-l sums (each vdpbf16ps takes the query's pair p = 16 c + l, broadcast, against
-// the keys' pair p), and dot_lanes' tree (lanes l + l + 8, + 4, + 2, + 1) becomes adds of
+// operations as score_block_bf16, in another arrangement: lane l's sums of the 16 keys are
+// one register (each vdpbf16ps takes the query's pair p = 16 c + l, broadcast, against the
+// keys' pair p), and dot_lanes' tree (lanes l + l + 8, + 4, + 2, + 1) becomes adds of
 // whole registers, where reduce16 needed shuffles to bring the lanes together. So the
-// bits are score_block_bf16's.
-template <int64_t kD>
-inline __m512 score_block16(const uint16_t* q, const uint32_t* kt) {
-  constexpr int64_t kP = kD / 32;
-  __m512 part[16];
-  for (int l = 0; l < 16; ++l) part[l] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < kP; ++c)
-    for (int l = 0; l < 16; ++l) {
-      const __m512bh keys = (__m512bh)_mm512_loadu_si512(kt + (16 * c + l) * 16);
-      // The query's pair broadcast (a load) as the second operand: each product is
-      // exact, so which operand is which changes nothing.
-      const __m512i pair = _mm512_broadcastd_epi32(_mm_loadu_si32(q + 32 * c + 2 * l));
-      part[l] = _mm512_dpbf16_ps(part[l], keys, (__m512bh)pair);
+// bits are score_block_bf16's, for each vector whatever NV.
+//
+// Each key register is loaded once for all NV vectors: one vector alone loaded a key
+// register for every vdpbf16ps, and the loads, not the products, bounded it. The tree is
+// taken depth first, node<W>(l) being its sum at width W (S_W(l) = S_2W(l) + S_2W(l + W),
+// S_16(l) = lane l's sums), so that a vector holds ~5 registers at a time, not 16.
+template <int64_t kD, int NV>
+struct ScoreBlocks {
+  static constexpr int64_t kP = kD / 32;
+  const uint16_t* const* q;  // NV query rows as stored
+  const uint32_t* kt;        // the keys' pairs
+
+  template <int W>
+  inline __attribute__((always_inline)) void node(int l, __m512* out) const {
+    if constexpr (W == 16) {
+      __m512bh keys[kP];
+      for (int64_t c = 0; c < kP; ++c)
+        keys[c] = (__m512bh)_mm512_loadu_si512(kt + (16 * c + l) * 16);
+      for (int v = 0; v < NV; ++v) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < kP; ++c) {
+          // The query's pair broadcast (a load) as the second operand: each product is
+          // exact, so which operand is which changes nothing.
+          const __m512i pair = _mm512_broadcastd_epi32(_mm_loadu_si32(q[v] + 32 * c + 2 * l));
+          acc = _mm512_dpbf16_ps(acc, keys[c], (__m512bh)pair);
+        }
+        out[v] = acc;
+      }
+    } else {
+      __m512 other[NV];
+      node<W * 2>(l, out);
+      node<W * 2>(l + W, other);
+      for (int v = 0; v < NV; ++v) {
+        out[v] = _mm512_add_ps(out[v], other[v]);
+        // Here, not after every lane's sums: gcc would otherwise hold all 16 NV of them.
+        asm volatile("" : "+v"(out[v]));
+      }
     }
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) part[l] = _mm512_add_ps(part[l], part[l + w]);
-  return part[0];
+  }
+  inline __attribute__((always_inline)) void scores(__m512* out) const { node<1>(0, out); }
+};
+
+// The scores of the NV query vectors at q + at[i] against a block of 16 keys, stored at
+// out + i * stride. Not inlined: within prefill_span's body gcc's registers for it spill.
+template <int64_t kD, int NV, typename T>
+__attribute__((noinline)) void score_group(const T* q, const int64_t* at,
+                                           const uint32_t* block, float* out, int64_t stride) {
+  const uint16_t* rows[NV];
+  for (int i = 0; i < NV; ++i) rows[i] = reinterpret_cast<const uint16_t*>(q + at[i]);
+  __m512 s[NV];
+  ScoreBlocks<kD, NV>{rows, block}.scores(s);
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + i * stride, s[i]);
 }
 #endif
 
@@ -1146,7 +1207,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 // With AVX-512 (AVX2), a key block's 16 (8) dot products are reduced together (reduce16,
 // reduce8 above), with the same additions as dot_lanes (lane_sum) makes for each alone.
 
-constexpr int64_t kTileRows = 16, kMaxTileRows = 48;
+constexpr int64_t kTileRows = 32, kMaxTileRows = 48;
 
 // One item: rows [r0, r1) of the chunk (positions start + r), K/V head h, keys
 // [first, first + kSpan). For each row r and query head g: its span max, sum and G x D
@@ -1176,7 +1237,7 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   // then 16 rows of zeros (a block of dot products may read past a row's last key).
 #if defined(__AVX512BF16__)
   // With AVX-512 BF16 the dot products take the K rows as stored (vdpbf16ps), each 16
-  // keys' pairs of dims transposed into kf's memory (score_block16), from key `least` on.
+  // keys' pairs of dims transposed into kf's memory (ScoreBlocks), from key `least` on.
   constexpr bool kDot = kPairs<T> && kD > 0 && kD % 32 == 0;
 #else
   constexpr bool kDot = false;
@@ -1185,20 +1246,42 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   const auto transposed = [&](int64_t j) {  // where key j's pair 0 goes; pair p at + 16 p
     return kt + (j - least) / 16 * (kD / 2) * 16 + (j - least) % 16;
   };
-  for (int64_t pos = first + least; pos < first + n; ++pos) {
-    const int64_t at = ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
-    if constexpr (kDot) {
-      uint32_t* to = transposed(pos - first);
-      for (int64_t p = 0; p < kD / 2; ++p) std::memcpy(to + p * 16, k_cache + at + 2 * p, 4);
-    } else {
-      widen_qk(k_cache + at, kf + (pos - first) * D, D);
-    }
-    widen_row(v_cache + at, vf + (pos - first) * D, D);
-  }
+  const auto row_at = [&](int64_t pos) {
+    return ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
+  };
+#if defined(__AVX512BF16__)
   if constexpr (kDot) {
-    for (int64_t j = n; j < (n + 15) / 16 * 16; ++j)  // the last block's keys past n
-      for (int64_t p = 0; p < kD / 2; ++p) transposed(j)[p * 16] = 0;
-  } else {
+    // 16 keys at a time: their rows' pairs as 16 x 16 blocks of words, transposed in
+    // registers (transpose16); the last block's keys past n as rows of zeros.
+    static const uint32_t zeros[kMaxHeadDim / 2] = {};
+    for (int64_t j0 = least; j0 < n; j0 += 16) {
+      const uint32_t* src[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t j = j0 + i;
+        if (j < n) {
+          const int64_t at = row_at(first + j);
+          src[i] = reinterpret_cast<const uint32_t*>(k_cache + at);
+          widen_row(v_cache + at, vf + j * D, D);
+        } else {
+          src[i] = zeros;
+        }
+      }
+      uint32_t* to = transposed(j0);
+      for (int64_t c = 0; c < kD / 32; ++c) {
+        __m512i in[16], out[16];
+        for (int i = 0; i < 16; ++i) in[i] = _mm512_loadu_si512(src[i] + 16 * c);
+        transpose16(in, out);
+        for (int l = 0; l < 16; ++l) _mm512_storeu_si512(to + (16 * c + l) * 16, out[l]);
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t pos = first + least; pos < first + n; ++pos) {
+      const int64_t at = row_at(pos);
+      widen_qk(k_cache + at, kf + (pos - first) * D, D);
+      widen_row(v_cache + at, vf + (pos - first) * D, D);
+    }
     std::fill_n(kf + n * D, 16 * D, 0.f);
   }
   std::fill_n(vf + n * D, 16 * D, 0.f);
@@ -1225,12 +1308,21 @@ void prefill_span(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     // layout gives the fp32 loops; a query vector over a block of 16 keys at a time, the
     // block's keys in L1 for all the tile's vectors. (The block is 16-aligned from
     // `least`, and least, a multiple of 16, and n <= kSpan keep it inside a score row.)
+    // kNV vectors a block share its key registers (ScoreBlocks; 6 measured faster than 4,
+    // and 3 or 8 slower); a group's vectors that do not reach the block get their scores
+    // there too, which they never read.
+    constexpr int kNV = 6;
     for (int64_t j0 = least; j0 < n; j0 += 16) {
       const uint32_t* block = transposed(j0);
-      for (int64_t v = 0; v < qvecs; ++v) {
+      int64_t v = 0;
+      for (; v + kNV <= qvecs; v += kNV) {
+        // rows ascend: the group's last vector reaches furthest, its first starts earliest
+        if (j0 >= hi[v + kNV - 1] || j0 + 16 <= lo[v]) continue;
+        score_group<kD, kNV>(q, at_q + v, block, scores + v * kSpan + j0, kSpan);
+      }
+      for (; v < qvecs; ++v) {
         if (j0 >= hi[v] || j0 + 16 <= lo[v]) continue;
-        const uint16_t* qv = reinterpret_cast<const uint16_t*>(q + at_q[v]);
-        _mm512_storeu_ps(scores + v * kSpan + j0, score_block16<kD>(qv, block));
+        score_group<kD, 1>(q, at_q + v, block, scores + v * kSpan + j0, kSpan);
       }
     }
   } else
