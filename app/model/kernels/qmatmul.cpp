@@ -32,8 +32,8 @@
 // Scales: d and m as fp16, [tiles][K / 32][16].
 //
 // A prompt's many rows (from kUnpackRows) take the weights as bf16 words a thread unpacked
-// for the call, a slab of tiles at a time, and each kernel call covers 8 rows x 3 tiles:
-// 24 independent sums, each x pair broadcast once for three tiles. The same words meet the
+// for the call, a slab of tiles at a time, and each kernel call covers 8 rows x 2 tiles:
+// 16 independent sums, each x pair broadcast once for both tiles. The same words meet the
 // same x in the same order, so the bits are a decode's. 1,536 rows of the default model's
 // 30 layers (bench: a script kept out of the repository, quiet machine, 2 threads): 779 ->
 // 561-578 ms, against oneDNN's bf16 GEMM on bf16 weights 380-400 ms.
@@ -280,11 +280,13 @@ struct Unpacked {  // from words unpacked once for many rows (unpack_tiles): two
 template <typename W>
 constexpr bool kIsCodes = !std::is_same_v<W, Unpacked>;
 
-// Tiles a call for kMR rows: with unpacked words 3 (24 independent sums: vdpbf16ps takes
-// several cycles and two can start a cycle on Zen 5, and the 8 of one tile left the units
-// waiting on their latency); with the codes 1 (the unpacking takes the other registers).
+// Tiles a call for kMR rows: with unpacked words 2 (16 independent sums: vdpbf16ps takes
+// several cycles, and the 8 of one tile left the units waiting on their latency; 3 tiles'
+// 24 sums and 24 accumulators spilled more: on AMD EPYC Zen 4, 1,589 rows of the default
+// model's linears 166-170 -> 176-178 GMAC/s, and 0.84-0.86x the time at 48 to 4,600
+// rows); with the codes 1 (the unpacking takes the other registers).
 template <typename W>
-constexpr int kWideNT = kIsCodes<W> ? 1 : 3;
+constexpr int kWideNT = kIsCodes<W> ? 1 : 2;
 
 // Tiles' codes as Unpacked words: per chunk, w0's 32 words then w1's.
 template <int B>
