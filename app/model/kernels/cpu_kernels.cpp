@@ -1205,7 +1205,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 // widening each span's K and V rows to fp32 once for all its rows' G query heads, then
 // combines each row's spans; what it keeps is bounded by its tile, whatever the context.
 // With AVX-512 (AVX2), a key block's 16 (8) dot products are reduced together (reduce16,
-// reduce8 above), with the same additions as dot_lanes (lane_sum) makes for each alone.
+// reduce8 above; with AVX-512 BF16, ScoreBlocks' adds of whole registers), with the same
+// additions as dot_lanes (lane_sum) makes for each alone.
 
 constexpr int64_t kTileRows = 32, kMaxTileRows = 48;
 

@@ -283,8 +283,8 @@ constexpr bool kIsCodes = !std::is_same_v<W, Unpacked>;
 // Tiles a call for kMR rows: with unpacked words 2 (16 independent sums: vdpbf16ps takes
 // several cycles, and the 8 of one tile left the units waiting on their latency; 3 tiles'
 // 24 sums and 24 accumulators spilled more: on AMD EPYC Zen 4, 1,589 rows of the default
-// model's linears 166-170 -> 176-178 GMAC/s, and 0.84-0.86x the time at 48 to 4,600
-// rows); with the codes 1 (the unpacking takes the other registers).
+// model's linears 166-170 -> 176-178 GMAC/s, 4,600 rows 0.85x the time, 48 and 256 rows
+// no slower); with the codes 1 (the unpacking takes the other registers).
 template <typename W>
 constexpr int kWideNT = kIsCodes<W> ? 1 : 2;
 
