@@ -285,3 +285,39 @@ def test_connections_to_the_servers_socket_send_without_nagle():
         return nodelay
 
     assert asyncio.run(accept_one()) != 0
+
+
+def test_the_idle_server_wakes_once_a_tick_and_a_signal_ends_it_at_once(monkeypatch):
+    """uvicorn's own loop wakes ten times a second to look for a shutdown; Parley's waits
+    a whole tick, so a signal must wake it: with a tick of an hour, SIGTERM still ends it
+    (else this test hangs), after exactly one more tick of uvicorn's bookkeeping."""
+    import asyncio
+    import signal
+
+    import uvicorn
+
+    import app.__main__ as entry
+
+    async def asgi(scope, receive, send):  # never called
+        raise AssertionError
+
+    monkeypatch.setattr(entry, "TICK_S", 3600.0)
+    config = uvicorn.Config(asgi, log_level="error")
+    config.load()
+    server = entry.ReadyServer(config, "http://127.0.0.1:1/")
+    ticks = []
+    on_tick = server.on_tick
+
+    async def counted(counter):
+        ticks.append(counter)
+        return await on_tick(counter)
+
+    server.on_tick = counted
+
+    async def run():
+        asyncio.get_running_loop().call_later(0.35, server.handle_exit, signal.SIGTERM, None)
+        await asyncio.wait_for(server.main_loop(), 60)
+
+    asyncio.run(run())
+    assert server.should_exit and len(ticks) == 2
+    assert any(name == b"date" for name, _ in server.server_state.default_headers)
