@@ -436,7 +436,8 @@ class RayCluster:
         if self._lost_at.get(i, 0.0) > asked:
             return  # it answered before it was lost: not a sign of life
         self._relay(i)
-        self._answered(i, beat)
+        if i not in self._beat_at:  # else its link opened meanwhile: its beats tell, in order
+            self._answered(i, beat)
 
     def _answered(self, i: int, beat: ReplicaBeat) -> None:
         self._answered_at[i] = time.monotonic()
@@ -444,7 +445,10 @@ class RayCluster:
             log.info("engine replica %d is live", i)
         self.live.add(i)
         self._stats[i] = beat.stats
-        self.router.publish(i, beat.block_hashes)
+        if beat.whole:
+            self.router.publish(i, beat.block_hashes)
+        else:  # over its link: a change to what its link's earlier beats told
+            self.router.update(i, beat.block_hashes, beat.dropped)
 
     def _silent(self, i: int) -> None:
         """No heartbeat for PING_TIMEOUT_S: busy, stalled, or on its way out. Routed

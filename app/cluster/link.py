@@ -16,7 +16,8 @@ the key first; anything else is closed unread. Then:
                        | ("release", session id): its pinned K/V may go
     replica -> front   list[Relayed]: what the replica produced since the previous frame
                        | ReplicaBeat: its counters and cached block hashes, every
-                         `beat_s` seconds (the front's heartbeat, with no Ray call)
+                         `beat_s` seconds (the front's heartbeat, with no Ray call):
+                         the first whole, then what changed since the one before
 
 Each frame is a 4-byte big-endian length and a pickle. The key is what lets the replica
 unpickle what arrives (Ray's own channel, which hands over the key, is token-authenticated);
@@ -84,7 +85,7 @@ class LinkBody(Protocol):
     """What a replica (real or simulated) offers its links."""
 
     def submit(self, front: str, asked: EngineRequest) -> None: ...
-    def heartbeat(self, max_hashes: int) -> Any: ...
+    def heartbeat(self, max_hashes: int, published: set[bytes] | None = None) -> Any: ...
     def abort(self, request_id: str) -> None: ...
     def release_session(self, session_id: str) -> None: ...
     def stream(self, front: str) -> AsyncIterator[list[Any]]: ...
@@ -185,9 +186,11 @@ class ReplicaLinks:
 
     async def _beat(self, writer: asyncio.StreamWriter, beat: Beat) -> None:
         """The replica's heartbeat, a frame every `beat.every_s` (a whole frame a write:
-        it never splits one of _send's)."""
+        it never splits one of _send's). `published`: the block hashes this connection's
+        beats have told, so that each carries only what changed (ReplicaBeat.of)."""
+        published: set[bytes] = set()
         while not writer.is_closing():
-            writer.write(frame(self._body.heartbeat(beat.max_hashes)))
+            writer.write(frame(self._body.heartbeat(beat.max_hashes, published)))
             await asyncio.sleep(beat.every_s)
 
     async def _send(self, front: str, writer: asyncio.StreamWriter, open_ids: set[str]) -> None:

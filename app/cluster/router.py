@@ -122,6 +122,13 @@ class Router:
         self._held[replica] = set(block_hashes)
         self._routed.pop(replica, None)
 
+    def update(self, replica: int, cached: Iterable[bytes], dropped: Iterable[bytes]) -> None:
+        """A replica's heartbeat as a change: blocks it cached and let go since its last."""
+        held = self._held.setdefault(replica, set())
+        held.difference_update(dropped)
+        held.update(cached)
+        self._routed.pop(replica, None)
+
     def drop(self, replica: int) -> None:
         """A replica went away: what it held went with it."""
         self._held.pop(replica, None)

@@ -84,8 +84,8 @@ class SimulatedReplica:
             sessions_pinned=0, pinned_blocks=0, session_unpins={}, steps=self._steps,
         )  # fmt: skip
 
-    def heartbeat(self, max_hashes: int) -> ReplicaBeat:
-        return ReplicaBeat(self.stats(), ())
+    def heartbeat(self, max_hashes: int, published: set[bytes] | None = None) -> ReplicaBeat:
+        return ReplicaBeat.of(self.stats(), [], published)
 
     def submit(self, front: str, asked: EngineRequest) -> None:
         box = self._outboxes.get(front)
