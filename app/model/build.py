@@ -254,6 +254,8 @@ def _int4_head(
             model.embed_tokens = GroupEmbedding(embedding, dtype)
         else:
             model.embed_tokens = Q8Embedding(embedding, dtype)
+            if head is embedding and isinstance(model.packed_lm_head, BlockLinear):
+                model.embed_tokens.weight_nbytes = 0  # the head's bytes, counted there
 
     def kind(w: object) -> str:
         if isinstance(w, Q8Weight):

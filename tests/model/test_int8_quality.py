@@ -8,6 +8,7 @@ while agreement is short, and catch int8 getting worse than it is."""
 
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ import torch
 from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.request import SamplingParams
 from app.llm import LLM
+from app.model import cpu
 from app.model.build import build_model
-from app.model.quant.int8 import int8_available
+from app.model.quant.int8 import Int8Linear, int8_available
 from tests.model.test_int8 import forward_all
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="PyTorch without fbgemm")
@@ -72,11 +74,30 @@ def models(smollm):
     return fp32.model, int8.model
 
 
-def test_int8_perplexity_is_within_3_percent_of_fp32(smollm, models):
+# Perplexity bound by activation width. fbgemm's AVX2 kernel sums pairs of u8 x s8
+# products in int16 (vpmaddubsw), which saturates on 8-bit activations: without VNNI they
+# get 7 bits (Int8Linear), measured at +6.2% on an AVX2 EPYC against +2.2-2.5% with 8.
+PERPLEXITY_BOUND = {255: 1.03, 127: 1.07}
+
+
+@pytest.mark.parametrize("levels", [255, 127], ids=["8-bit x (VNNI)", "7-bit x (AVX2)"])
+def test_int8_perplexity_is_within_its_bound_of_fp32(smollm, models, levels):
+    """Each activation width the CPU may get, within its bound. 7 bits run on any CPU
+    (faked here where VNNI exists); 8 bits only where VNNI does."""
+    if levels == 255 and not cpu.cpu_has_vnni():
+        pytest.skip("8-bit activations need VNNI: fbgemm's AVX2 kernel would saturate them")
+    fp32_model, int8_model = models
+    if (255 if cpu.cpu_has_vnni() else 127) != levels:
+        with mock.patch.object(cpu, "cpu_has_vnni", lambda: levels == 255):
+            int8_model = build_model(
+                smollm, ModelConfig(quantization="int8", dtype="float32"), "cpu", 4096
+            ).model
+    widths = {m.x_zero_point for m in int8_model.modules() if isinstance(m, Int8Linear)}
+    assert widths == {(levels + 1) // 2}  # every linear at this width
     ids = gate_text(smollm.tokenizer)
-    fp32, int8 = (perplexity(m, ids) for m in models)
-    print(f"perplexity fp32 {fp32:.3f} int8 {int8:.3f} ratio {int8 / fp32:.4f}")
-    assert int8 <= 1.03 * fp32
+    fp32, int8 = perplexity(fp32_model, ids), perplexity(int8_model, ids)
+    print(f"perplexity fp32 {fp32:.3f} int8 {int8:.3f} ratio {int8 / fp32:.4f} ({levels} levels)")
+    assert int8 <= PERPLEXITY_BOUND[levels] * fp32
 
 
 def greedy_16(smollm, quantization: str, dtype: str = "float32") -> list[list[int]]:
