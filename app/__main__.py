@@ -592,7 +592,7 @@ class ReadyServer:
 
             def handle_exit(self, sig, frame) -> None:
                 super().handle_exit(sig, frame)
-                if self._loop is not None and self._woken is not None:
+                if self._woken is not None:  # main_loop is running: wake it
                     with contextlib.suppress(RuntimeError):  # the loop closed already
                         self._loop.call_soon_threadsafe(self._woken.set)
 

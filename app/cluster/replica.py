@@ -59,12 +59,12 @@ class ReplicaBeat:
         if published is None:
             return cls(stats, tuple(hashes))
         held = set(hashes)
-        told_nothing = not published
+        if not published:
+            published |= held
+            return cls(stats, tuple(hashes))
         added, dropped = held - published, published - held
         published -= dropped
         published |= added
-        if told_nothing:
-            return cls(stats, tuple(hashes))
         return cls(stats, tuple(added), tuple(dropped), whole=False)
 
 
