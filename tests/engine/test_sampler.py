@@ -58,6 +58,18 @@ def test_greedy_is_argmax_and_draws_no_random_numbers() -> None:
     assert all(torch.equal(b, s.generator.get_state()) for b, s in zip(before, states))
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_a_rows_nan() -> None:
+    """argmax's answer in the cases where reductions can differ: ties and NaN."""
+    logits = torch.zeros(3, 49_152)
+    logits[0, [7, 30_000, 49_151]] = 5.0
+    logits[1, 12] = 1.0
+    logits[1, 40_000] = float("nan")
+    logits[2] = -1.0
+    tokens = Sampler()(logits.clone(), [state(SamplingParams(temperature=0), i) for i in range(3)])
+    assert tokens.tolist() == [7, 40_000, 0]
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
 def test_greedy_rows_in_mixed_batch() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     states = [
